@@ -1,0 +1,160 @@
+// The stateless operations of the MLA backend (DESIGN §3).
+//
+// Every op validates its arguments (throwing mla::Error that names the argument), then runs on
+// the device its tensors live on: all CPU -> the CPU reference implementation; all CUDA -> the
+// CUDA kernels (when the library was built with CUDA; otherwise mla::Error). Mixed devices are an
+// error. Ops never allocate: outputs and scratch space are passed in.
+//
+// Shapes use these names:
+//   T   tokens (queries) in the batch          H   query heads (1..128)
+//   B   requests in the batch                  P   pages in the pool
+//   S   page size (a power of two, 1..128)     D   576 = kv_lora_rank 512 + rope 64
+//
+// LSE convention: lse = ln(sum_j exp(s_j)), where s_j = softmax_scale * q·k_j (the *scaled* score,
+// natural log). A row that attends to no key has output 0 and lse = -inf.
+#pragma once
+
+#include <cstdint>
+
+#include "mla/tensor.hpp"
+
+namespace mla {
+
+// The GPU split-KV schedule (mla/schedule.hpp); an opaque pointer for CPU users.
+struct DecodeSchedule;
+
+constexpr int kKvLoraRank = 512;   // c_kv width, also the absorbed value / output width
+constexpr int kRopeDim = 64;       // k_pe / q_pe width
+constexpr int kLatentDim = 576;    // cache entry width = kKvLoraRank + kRopeDim
+constexpr int kMaxHeads = 128;
+constexpr int kMaxPageSize = 128;
+constexpr float kFp8E4M3Max = 448.0f;
+
+// ---------------------------------------------------------------------------------------------
+// 1. append_latent_kv: kv_cache[loc[t] / S, loc[t] % S, :] = (k_nope[t] | k_pe[t]) converted to
+//    the cache dtype. For an fp8 cache the stored value is saturate_fp8(x / k_scale), so that
+//    stored * k_scale approximates x. A negative loc skips that token (padding).
+struct AppendLatentKvArgs {
+  TensorView k_nope;    // [T, 512] bf16/fp16/fp32, inner stride 1
+  TensorView k_pe;      // [T, 64]  same dtype as k_nope, inner stride 1
+  TensorView loc;       // [T] int32 or int64: token slots in the pool (< P * S), -1 = skip
+  TensorView kv_cache;  // [P, S, 576] bf16/fp16/fp8e4m3, contiguous
+  float k_scale = 1.0f; // fp8 only: dequantised = stored * k_scale (> 0)
+};
+void append_latent_kv(const AppendLatentKvArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// 2. build_block_table: block_table[b, j] = req_to_token[req_pool_indices[b], j * S] / S for
+//    j < ceil(seq_lens[b] / S), and -1 for the rest of the row.
+//    seq_lens[b] must be <= max_blocks * S and <= req_to_token.shape[1].
+struct BuildBlockTableArgs {
+  TensorView req_to_token;      // [R, max_context_len] int32
+  TensorView req_pool_indices;  // [B] int32 or int64, each in [0, R)
+  TensorView seq_lens;          // [B] int32 or int64, each >= 0
+  int page_size = 64;           // S
+  TensorView block_table;       // [B, max_blocks] int32, output
+};
+void build_block_table(const BuildBlockTableArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// 3. rope_quantize: rotary embedding of q_pe and k_pe, then
+//      q_out[t, h] = q_nope[t, h] | rope(q_pe[t, h])   (576 wide)
+//      k_nope_out[t] = k_nope[t], k_pe_out[t] = rope(k_pe[t])
+//    each converted to its output's dtype; an fp8 output stores saturate_fp8(x / scale).
+//    cos_sin_cache[pos] holds 32 cos values then 32 sin values (fp32).
+//    NeoX: pairs (i, i + 32); interleaved (GPT-J): pairs (2i, 2i + 1). For pair (x1, x2) with
+//    angle index i: x1' = x1 cos_i - x2 sin_i, x2' = x2 cos_i + x1 sin_i.
+enum class RopeStyle : uint8_t { kNeox, kInterleaved };
+struct RopeQuantizeArgs {
+  TensorView q_nope;         // [T, H, 512] bf16/fp16/fp32, inner stride 1
+  TensorView q_pe;           // [T, H, 64]  same dtype
+  TensorView k_nope;         // [T, 512] optional (empty: no k outputs at all)
+  TensorView k_pe;           // [T, 64]  required when k_nope given
+  TensorView cos_sin_cache;  // [max_position, 64] fp32
+  TensorView positions;      // [T] int32 or int64, each in [0, max_position)
+  RopeStyle style = RopeStyle::kNeox;
+  TensorView q_out;          // [T, H, 576] bf16/fp16/fp8e4m3, inner stride 1
+  TensorView k_nope_out;     // [T, 512] bf16/fp16/fp8e4m3 (with k_nope)
+  TensorView k_pe_out;       // [T, 64]  same dtype as k_nope_out
+  float q_scale = 1.0f;      // used when q_out is fp8
+  float k_scale = 1.0f;      // used when the k outputs are fp8
+};
+void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// 4. mla_decode: absorbed attention over the paged latent cache.
+//
+//    Requests b = 0..B-1 own query rows [cu_q_lens[b], cu_q_lens[b+1]) (or, without cu_q_lens,
+//    rows [b*q_len, (b+1)*q_len)). kv_lens[b] counts the cached tokens including the new ones.
+//    Causal rule: query i of request b (q_len_b rows) sees keys 0 .. kv_lens[b] - q_len_b + i.
+//    A query that sees no key (kv_len < q_len, or kv_len 0) outputs 0 with lse -inf.
+//    Key j of request b is kv_cache[block_table[b, j / S], j % S, 0:576]; value is its first 512.
+//
+//    score = (q · k) * softmax_scale * q_scale * k_scale    (q_scale only for fp8 queries,
+//                                                            k_scale only for an fp8 cache)
+//    out   = sum_j softmax(score)_j * v_j * k_scale          (k_scale only for an fp8 cache)
+//
+//    Queries come either as one [T, H, 576] tensor `q`, or as q_nope [T, H, 512] and q_pe
+//    [T, H, 64] (no concatenation copy). Query, output and LSE may have any strides on the token
+//    and head dims; the last dim must be contiguous.
+struct MlaDecodeArgs {
+  TensorView q;            // [T, H, 576] bf16/fp16/fp8e4m3, or empty when q_nope/q_pe are given
+  TensorView q_nope;       // [T, H, 512]
+  TensorView q_pe;         // [T, H, 64]
+  TensorView kv_cache;     // [P, S, 576] bf16/fp16/fp8e4m3, contiguous
+  TensorView block_table;  // [B, max_blocks] int32, page ids in [0, P) for the pages in use
+  TensorView kv_lens;      // [B] int32, each in [0, max_blocks * S]
+  TensorView cu_q_lens;    // [B + 1] int32, non-decreasing, cu_q_lens[B] == T; optional
+  int q_len = 1;           // queries per request when cu_q_lens is empty (T == B * q_len)
+  int max_q_len = 0;       // upper bound on q_len_b (GPU launch shape); 0 = derive (CPU only)
+  float softmax_scale = 0; // required, > 0
+  float q_scale = 1.0f;
+  float k_scale = 1.0f;
+  TensorView out;          // [T, H, 512] bf16/fp16/fp32
+  TensorView lse;          // [T, H] fp32, optional
+  // GPU only: scratch for split-KV partial results and the schedule, from a DecodePlan (see
+  // mla/plan.hpp). Ignored on the CPU. When null on the GPU, the kernel runs without splitting.
+  const DecodeSchedule* schedule = nullptr;
+};
+void mla_decode(const MlaDecodeArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// 5. mha_prefill: ragged non-absorbed attention (per head, 192-wide q/k, 128-wide v).
+//    Request b has q rows [cu_q_lens[b], cu_q_lens[b+1]) and kv rows [cu_kv_lens[b],
+//    cu_kv_lens[b+1]). Causal is bottom-right aligned: query i of a request with q_len and kv_len
+//    sees keys 0 .. kv_len - q_len + i. Rows that see no key output 0 with lse -inf.
+//    score = (q · k) * softmax_scale * q_scale * k_scale; out = softmax(score) · v * v_scale.
+struct MhaPrefillArgs {
+  TensorView q;            // [Tq, H, 192] bf16/fp16/fp8e4m3, inner stride 1
+  TensorView k;            // [Tk, H, 192] same dtype as q
+  TensorView v;            // [Tk, H, 128] same dtype as q
+  TensorView cu_q_lens;    // [B + 1] int32, cu_q_lens[0] == 0, cu_q_lens[B] == Tq
+  TensorView cu_kv_lens;   // [B + 1] int32, cu_kv_lens[0] == 0, cu_kv_lens[B] == Tk
+  int max_q_len = 0;       // upper bound on q_len_b (GPU launch shape); 0 = derive (CPU only)
+  int max_kv_len = 0;      // upper bound on kv_len_b; 0 = derive (CPU only)
+  bool causal = true;
+  float softmax_scale = 0; // required, > 0
+  float q_scale = 1.0f;    // fp8 inputs only
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
+  TensorView out;          // [Tq, H, 128] bf16/fp16/fp32
+  TensorView lse;          // [Tq, H] fp32, optional
+};
+void mha_prefill(const MhaPrefillArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// 6. merge_states: combines two partial attentions over disjoint key sets by their LSE:
+//      lse = ln(exp(lse_a) + exp(lse_b)),  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+//    A side with lse -inf contributes nothing; both -inf gives out 0, lse -inf (never NaN).
+//    out may alias out_a or out_b (in-place merge), lse_out may alias lse_a or lse_b.
+struct MergeStatesArgs {
+  TensorView out_a;    // [T, H, Dv] bf16/fp16/fp32, inner stride 1
+  TensorView lse_a;    // [T, H] fp32
+  TensorView out_b;    // [T, H, Dv]
+  TensorView lse_b;    // [T, H] fp32
+  TensorView out;      // [T, H, Dv] bf16/fp16/fp32
+  TensorView lse_out;  // [T, H] fp32, optional
+};
+void merge_states(const MergeStatesArgs& args, Stream stream = nullptr);
+
+}  // namespace mla
