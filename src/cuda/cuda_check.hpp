@@ -1,0 +1,35 @@
+// Checked CUDA calls: every runtime call and every launch throws mla::Error with the CUDA error
+// string, the failing expression, and the file and line.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "mla/error.hpp"
+
+#define MLA_CUDA_CHECK(expr)                                                                  \
+  do {                                                                                        \
+    cudaError_t mla_cuda_status_ = (expr);                                                    \
+    if (mla_cuda_status_ != cudaSuccess)                                                      \
+      ::mla::detail::throw_error(__FILE__, __LINE__, "CUDA error in ", #expr, ": ",           \
+                                 cudaGetErrorName(mla_cuda_status_), " (",                    \
+                                 cudaGetErrorString(mla_cuda_status_), ")");                  \
+  } while (0)
+
+// After a <<<...>>> launch: reports launch-configuration errors without synchronising.
+#define MLA_CUDA_CHECK_LAUNCH() MLA_CUDA_CHECK(cudaGetLastError())
+
+namespace mla::cuda {
+
+inline cudaStream_t to_cuda(Stream stream) { return static_cast<cudaStream_t>(stream); }
+
+// Properties of the current device, read once per device and cached.
+struct DeviceInfo {
+  int device = 0;
+  int sm_count = 0;
+  int cc_major = 0, cc_minor = 0;
+  size_t max_smem_per_block_optin = 0;  // bytes, after cudaFuncSetAttribute
+  size_t l2_bytes = 0;
+};
+const DeviceInfo& current_device_info();
+
+}  // namespace mla::cuda
