@@ -1,7 +1,112 @@
-// rope_quantize: public entry — placeholder until its implementation lands.
+// rope_quantize: public entry — validation, then device dispatch.
+#include <cmath>
+
+#include "cpu/cpu_ops.hpp"
 #include "mla/error.hpp"
-#include "mla/ops.hpp"
+#include "ops/dispatch.hpp"
+#if defined(MLA_WITH_CUDA)
+#include "cuda/cuda_ops.hpp"
+#endif
 
 namespace mla {
-void rope_quantize(const RopeQuantizeArgs&, Stream) { MLA_FAIL("rope_quantize: not implemented yet"); }
+
+void rope_quantize(const RopeQuantizeArgs& args, Stream stream) {
+  constexpr const char* op = "rope_quantize";
+  const std::initializer_list<DType> input_dtypes = {DType::kBF16, DType::kFP16, DType::kFP32};
+  const std::initializer_list<DType> output_dtypes = {DType::kBF16, DType::kFP16, DType::kFP8E4M3};
+
+  // Queries: q_nope [T, H, 512], q_pe [T, H, 64] -> q_out [T, H, 576].
+  check::ndim(op, "q_nope", args.q_nope, 3);
+  const int64_t num_tokens = args.q_nope.shape[0];
+  const int64_t num_heads = args.q_nope.shape[1];
+  MLA_CHECK(num_heads >= 1 && num_heads <= kMaxHeads, op, ": q_nope.shape[1] (heads) must be in 1..",
+            kMaxHeads, ", got ", num_heads, " (", args.q_nope.describe(), ")");
+  check::dim(op, "q_nope", args.q_nope, 2, kKvLoraRank, "kv_lora_rank");
+  check::dtype_in(op, "q_nope", args.q_nope, input_dtypes);
+  check::inner_contiguous(op, "q_nope", args.q_nope);
+  const DType input_dtype = args.q_nope.dtype;
+
+  check::ndim(op, "q_pe", args.q_pe, 3);
+  check::dim(op, "q_pe", args.q_pe, 0, num_tokens, "tokens, as q_nope");
+  check::dim(op, "q_pe", args.q_pe, 1, num_heads, "heads, as q_nope");
+  check::dim(op, "q_pe", args.q_pe, 2, kRopeDim, "rope dim");
+  check::dtype(op, "q_pe", args.q_pe, input_dtype);
+  check::inner_contiguous(op, "q_pe", args.q_pe);
+
+  check::ndim(op, "q_out", args.q_out, 3);
+  check::dim(op, "q_out", args.q_out, 0, num_tokens, "tokens, as q_nope");
+  check::dim(op, "q_out", args.q_out, 1, num_heads, "heads, as q_nope");
+  check::dim(op, "q_out", args.q_out, 2, kLatentDim, "kv_lora_rank 512 + rope 64");
+  check::dtype_in(op, "q_out", args.q_out, output_dtypes);
+  check::inner_contiguous(op, "q_out", args.q_out);
+
+  // Keys: all four k tensors are given together, or none of them.
+  const bool with_k = !args.k_nope.empty();
+  if (with_k) {
+    check::ndim(op, "k_nope", args.k_nope, 2);
+    check::dim(op, "k_nope", args.k_nope, 0, num_tokens, "tokens, as q_nope");
+    check::dim(op, "k_nope", args.k_nope, 1, kKvLoraRank, "kv_lora_rank");
+    check::dtype(op, "k_nope", args.k_nope, input_dtype);
+    check::inner_contiguous(op, "k_nope", args.k_nope);
+
+    MLA_CHECK(!args.k_pe.empty(), op, ": k_pe is required when k_nope is given");
+    check::ndim(op, "k_pe", args.k_pe, 2);
+    check::dim(op, "k_pe", args.k_pe, 0, num_tokens, "tokens, as q_nope");
+    check::dim(op, "k_pe", args.k_pe, 1, kRopeDim, "rope dim");
+    check::dtype(op, "k_pe", args.k_pe, input_dtype);
+    check::inner_contiguous(op, "k_pe", args.k_pe);
+
+    MLA_CHECK(!args.k_nope_out.empty(), op, ": k_nope_out is required when k_nope is given");
+    check::ndim(op, "k_nope_out", args.k_nope_out, 2);
+    check::dim(op, "k_nope_out", args.k_nope_out, 0, num_tokens, "tokens, as q_nope");
+    check::dim(op, "k_nope_out", args.k_nope_out, 1, kKvLoraRank, "kv_lora_rank");
+    check::dtype_in(op, "k_nope_out", args.k_nope_out, output_dtypes);
+    check::inner_contiguous(op, "k_nope_out", args.k_nope_out);
+
+    MLA_CHECK(!args.k_pe_out.empty(), op, ": k_pe_out is required when k_nope is given");
+    check::ndim(op, "k_pe_out", args.k_pe_out, 2);
+    check::dim(op, "k_pe_out", args.k_pe_out, 0, num_tokens, "tokens, as q_nope");
+    check::dim(op, "k_pe_out", args.k_pe_out, 1, kRopeDim, "rope dim");
+    check::dtype(op, "k_pe_out", args.k_pe_out, args.k_nope_out.dtype);
+    check::inner_contiguous(op, "k_pe_out", args.k_pe_out);
+  } else {
+    MLA_CHECK(args.k_pe.empty(), op, ": k_pe is given but k_nope is not (give both or neither)");
+    MLA_CHECK(args.k_nope_out.empty(), op,
+              ": k_nope_out is given but k_nope is not (the k outputs need k_nope and k_pe)");
+    MLA_CHECK(args.k_pe_out.empty(), op,
+              ": k_pe_out is given but k_nope is not (the k outputs need k_nope and k_pe)");
+  }
+
+  check::ndim(op, "cos_sin_cache", args.cos_sin_cache, 2);
+  check::dim(op, "cos_sin_cache", args.cos_sin_cache, 1, kRopeDim, "32 cos then 32 sin");
+  check::dtype(op, "cos_sin_cache", args.cos_sin_cache, DType::kFP32);
+  check::inner_contiguous(op, "cos_sin_cache", args.cos_sin_cache);
+
+  check::ndim(op, "positions", args.positions, 1);
+  check::dim(op, "positions", args.positions, 0, num_tokens, "tokens, as q_nope");
+  check::dtype_in(op, "positions", args.positions, {DType::kInt32, DType::kInt64});
+  check::inner_contiguous(op, "positions", args.positions);
+
+  MLA_CHECK(args.style == RopeStyle::kNeox || args.style == RopeStyle::kInterleaved, op,
+            ": style must be kNeox or kInterleaved, got ", int(args.style));
+  MLA_CHECK(std::isfinite(args.q_scale) && args.q_scale > 0, op,
+            ": q_scale must be finite and > 0, got ", args.q_scale);
+  MLA_CHECK(std::isfinite(args.k_scale) && args.k_scale > 0, op,
+            ": k_scale must be finite and > 0, got ", args.k_scale);
+
+  const Device device = detail::common_device(
+      op, {{"q_nope", &args.q_nope}, {"q_pe", &args.q_pe}, {"k_nope", &args.k_nope},
+           {"k_pe", &args.k_pe}, {"cos_sin_cache", &args.cos_sin_cache},
+           {"positions", &args.positions}, {"q_out", &args.q_out},
+           {"k_nope_out", &args.k_nope_out}, {"k_pe_out", &args.k_pe_out}});
+  if (num_tokens == 0) return;
+  detail::run_on(op, device, [&] { cpu::rope_quantize(args); },
+                 [&] {
+#if defined(MLA_WITH_CUDA)
+                   cuda::rope_quantize(args, stream);
+#endif
+                 });
+  (void)stream;
+}
+
 }  // namespace mla
