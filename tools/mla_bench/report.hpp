@@ -1,0 +1,47 @@
+// mla-bench: result rows, the printed table and the JSON file.
+#pragma once
+
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bench.hpp"
+
+namespace mla::bench {
+
+struct Row {
+  BenchCase c;
+  std::string kernel;
+  double time_us = 0;
+  double tflops = 0;
+  double gbps = 0;
+  std::optional<double> frac_gemm;         // tflops / ceilings.gemm_tflops
+  std::optional<double> frac_copy;         // gbps / ceilings.copy_gbps
+  std::optional<double> speedup_vs_naive;  // naive time / this kernel's time
+  double max_rel_err = 0;
+  double tolerance = 0;
+  int64_t rows_checked = 0;
+  bool verified = false;
+  std::string error;  // set when the case could not run
+};
+
+struct Report {
+  std::string device;   // "cpu" / "cuda"
+  std::string card;
+  std::string driver;   // empty: not applicable
+  std::string commit;
+  std::optional<Ceilings> ceilings;
+  std::string sweep;    // sweep name, or "single"
+  int warmup = 0;
+  int iters = 0;
+  std::vector<Row> rows;
+};
+
+void print_header(std::FILE* f, const Report& report);
+void print_table_head(std::FILE* f, bool with_ceilings);
+void print_row(std::FILE* f, const Row& row, bool with_ceilings);
+// Writes the report as JSON; throws mla::Error when the file cannot be written.
+void write_json(const std::string& path, const Report& report);
+
+}  // namespace mla::bench
