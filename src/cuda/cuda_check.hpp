@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "mla/error.hpp"
+#include "mla/tensor.hpp"
 
 #define MLA_CUDA_CHECK(expr)                                                                  \
   do {                                                                                        \
