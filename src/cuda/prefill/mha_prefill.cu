@@ -1,0 +1,97 @@
+// cuda::mha_prefill: GPU-specific checks (launch bound, alignment), params, dispatch by input type.
+// Shapes, dtypes and devices were validated by the public entry (src/ops/mha_prefill.cpp).
+#include <cmath>
+
+#include <algorithm>
+
+#include "cuda/cuda_ops.hpp"  // before cuda_check.hpp, which uses mla::Stream
+#include "cuda/cuda_check.hpp"
+#include "cuda/prefill/prefill_params.cuh"
+
+namespace mla::cuda {
+namespace {
+
+constexpr const char* kOp = "mha_prefill";
+
+// The kernel copies 16-byte chunks: the base pointer and every token and head step must keep
+// rows 16-byte aligned.
+void check_rows_aligned(const char* arg, const TensorView& t) {
+  const int64_t esize = int64_t(dtype_size(t.dtype));
+  const auto address = reinterpret_cast<uintptr_t>(t.data);
+  MLA_CHECK(address % 16 == 0, kOp, ": ", arg, " must be 16-byte aligned on the GPU, got address ",
+            t.data, " (", t.describe(), ")");
+  for (int d = 0; d < t.ndim - 1; ++d)
+    MLA_CHECK(t.shape[d] <= 1 || (t.stride[d] * esize) % 16 == 0, kOp, ": ", arg, ".stride[", d,
+              "] must be a multiple of 16 bytes (", 16 / esize, " elements) on the GPU, got ",
+              t.stride[d], " (", t.describe(), ")");
+}
+
+prefill::OutKind out_kind_of(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16: return prefill::OutKind::kBF16;
+    case DType::kFP16: return prefill::OutKind::kFP16;
+    case DType::kFP32: return prefill::OutKind::kFP32;
+    default: MLA_FAIL(kOp, ": out must be bf16, fp16 or fp32, got ", dtype_name(dtype));
+  }
+}
+
+}  // namespace
+
+void mha_prefill(const MhaPrefillArgs& args, Stream stream) {
+  constexpr int kBlockM = 64;  // PrefillConfig::kBlockM
+  const int64_t num_q_tokens = args.q.shape[0];
+  const int64_t num_heads = args.q.shape[1];
+  const int64_t num_requests = args.cu_q_lens.shape[0] - 1;
+  if (num_q_tokens == 0 || num_heads == 0 || num_requests <= 0) return;
+
+  MLA_CHECK(args.max_q_len > 0, kOp, ": max_q_len must be given (> 0) for CUDA tensors: it bounds "
+            "every q_len_b and sets the launch shape without a device-to-host copy; got ",
+            args.max_q_len);
+  MLA_CHECK(num_requests <= 65535, kOp, ": at most 65535 requests per call on the GPU, got ",
+            num_requests, " (cu_q_lens ", args.cu_q_lens.describe(), ")");
+  MLA_CHECK(num_heads <= 65535, kOp, ": at most 65535 heads on the GPU, got ", num_heads);
+  check_rows_aligned("q", args.q);
+  check_rows_aligned("k", args.k);
+  check_rows_aligned("v", args.v);
+  check_rows_aligned("out", args.out);
+
+  prefill::MhaPrefillParams p{};
+  p.q = args.q.data;
+  p.k = args.k.data;
+  p.v = args.v.data;
+  p.out = args.out.data;
+  p.lse = args.lse.empty() ? nullptr : static_cast<float*>(args.lse.data);
+  p.cu_q_lens = static_cast<const int32_t*>(args.cu_q_lens.data);
+  p.cu_kv_lens = static_cast<const int32_t*>(args.cu_kv_lens.data);
+  p.q_token_stride = args.q.stride[0];
+  p.q_head_stride = args.q.stride[1];
+  p.k_token_stride = args.k.stride[0];
+  p.k_head_stride = args.k.stride[1];
+  p.v_token_stride = args.v.stride[0];
+  p.v_head_stride = args.v.stride[1];
+  p.out_token_stride = args.out.stride[0];
+  p.out_head_stride = args.out.stride[1];
+  p.lse_token_stride = args.lse.empty() ? 0 : args.lse.stride[0];
+  p.lse_head_stride = args.lse.empty() ? 0 : args.lse.stride[1];
+  p.num_heads = int32_t(num_heads);
+  p.num_requests = int32_t(num_requests);
+  p.causal = args.causal;
+  // The scales of fp8 inputs apply to the scores (q, k) and the output (v); 16-bit inputs ignore them.
+  const bool fp8 = args.q.dtype == DType::kFP8E4M3;
+  const double score_scale = double(args.softmax_scale) * (fp8 ? double(args.q_scale) * args.k_scale : 1.0);
+  p.score_scale_log2 = float(score_scale * M_LOG2E);
+  p.v_scale = fp8 ? args.v_scale : 1.0f;
+  p.out_kind = out_kind_of(args.out.dtype);
+
+  const int64_t max_q_len = std::min<int64_t>(args.max_q_len, num_q_tokens);
+  const int grid_m = int((max_q_len + kBlockM - 1) / kBlockM);
+  const cudaStream_t s = to_cuda(stream);
+  switch (args.q.dtype) {
+    case DType::kBF16: prefill::launch_mha_prefill<__nv_bfloat16>(p, grid_m, s); break;
+    case DType::kFP16: prefill::launch_mha_prefill<__half>(p, grid_m, s); break;
+    case DType::kFP8E4M3: prefill::launch_mha_prefill<__nv_fp8_e4m3>(p, grid_m, s); break;
+    default: MLA_FAIL(kOp, ": q must be bf16, fp16 or fp8_e4m3, got ", dtype_name(args.q.dtype));
+  }
+}
+
+}  // namespace mla::cuda
