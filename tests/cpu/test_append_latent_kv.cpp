@@ -167,7 +167,7 @@ TEST(AppendLatentKv, EveryPageSizeAndCacheDtype) {
 }
 
 TEST(AppendLatentKv, FillsAWholePool) {
-  // Every slot written (a permutation), no padding-free slot left NaN except skipped tokens.
+  // As many tokens as slots: every slot of the pool is written except those of skipped tokens.
   for (DType cache_dtype : {DType::kBF16, DType::kFP8E4M3})
     run_case({DType::kFP32, cache_dtype, DType::kInt64, 16, 5, 80, 0.5f, true, 77});
 }
