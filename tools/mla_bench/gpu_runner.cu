@@ -1,0 +1,441 @@
+// mla-bench on a CUDA device: inputs generated on the host and copied, every run timed with CUDA
+// events, L2 flushed before each run, median of the timed runs. The same run measures the card's
+// ceilings (a large cuBLAS bf16 GEMM, a large device-to-device copy) and, for decode, the naive
+// way a user would write it by hand:
+//   1. gather each request's pages into contiguous keys [B, kv, 576] bf16 (dequantised),
+//   2. scores = Q · K^T per request (cuBLAS strided-batched GEMM, fp32 out),
+//   3. causal softmax over each score row (bf16 probabilities),
+//   4. out = P · V per request, V being the first 512 values of each key (cuBLAS, bf16 out).
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bench.hpp"
+#include "cuda/cuda_check.hpp"
+#include "mla/error.hpp"
+
+#define BENCH_CUBLAS_CHECK(expr)                                                          \
+  do {                                                                                    \
+    cublasStatus_t bench_cublas_status_ = (expr);                                         \
+    if (bench_cublas_status_ != CUBLAS_STATUS_SUCCESS)                                    \
+      MLA_FAIL("cuBLAS error in ", #expr, ": ", cublasGetStatusName(bench_cublas_status_), \
+               " (", cublasGetStatusString(bench_cublas_status_), ")");                   \
+  } while (0)
+
+namespace mla::bench {
+
+namespace {
+
+// ---- device memory ---------------------------------------------------------------------------
+
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  explicit DeviceMemory(size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0) MLA_CUDA_CHECK(cudaMalloc(&ptr_, bytes_));
+  }
+  ~DeviceMemory() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  DeviceMemory(DeviceMemory&& other) noexcept
+      : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+  DeviceMemory& operator=(DeviceMemory&& other) noexcept {
+    std::swap(ptr_, other.ptr_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+DeviceMemory upload(const void* host, size_t bytes) {
+  DeviceMemory d(bytes);
+  if (bytes > 0) MLA_CUDA_CHECK(cudaMemcpy(d.get(), host, bytes, cudaMemcpyHostToDevice));
+  return d;
+}
+DeviceMemory upload(const HostBuffer& h) { return upload(h.data(), h.size_bytes()); }
+DeviceMemory upload(const std::vector<int32_t>& h) { return upload(h.data(), h.size() * 4); }
+
+HostBuffer download(const DeviceMemory& d, DType dtype, std::vector<int64_t> shape) {
+  HostBuffer h(dtype, std::move(shape));
+  MLA_CHECK(h.size_bytes() <= d.bytes(), "download: host buffer larger than device buffer");
+  if (h.size_bytes() > 0)
+    MLA_CUDA_CHECK(cudaMemcpy(h.data(), d.get(), h.size_bytes(), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// An output buffer filled with NaN (all bits set), so that rows a kernel never writes show up.
+DeviceMemory nan_output(size_t bytes) {
+  DeviceMemory d(bytes);
+  if (bytes > 0) MLA_CUDA_CHECK(cudaMemset(d.get(), 0xff, bytes));
+  return d;
+}
+
+// ---- kernels for the ceilings and the naive baseline ----------------------------------------
+
+// data[i] = a pseudo-random value in [-1, 1) hashed from (seed, i).
+__global__ void fill_random_bf16_kernel(__nv_bfloat16* data, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    data[i] = __float2bfloat16(float(z >> 40) * 0x1.0p-23f - 1.0f);
+  }
+}
+
+__device__ inline float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ inline float to_f32(__half x) { return __half2float(x); }
+__device__ inline float to_f32(__nv_fp8_e4m3 x) { return float(x); }
+
+// out[i] = bf16(in[i] * scale): queries of another dtype, for the bf16 GEMMs.
+template <typename T>
+__global__ void convert_to_bf16_kernel(const T* in, size_t n, float scale, __nv_bfloat16* out) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16(to_f32(in[i]) * scale);
+}
+
+// keys[b, j, :] = cache[block_table[b, j / S], j % S, :] * k_scale for j < kv_lens[b], else 0.
+// Grid (kv_max, B); each block copies one 576-wide entry.
+template <typename CacheT>
+__global__ void gather_pages_kernel(const CacheT* cache,         // [P, S, 576]
+                                    const int32_t* block_table,  // [B, max_blocks]
+                                    const int32_t* kv_lens,      // [B]
+                                    int page_size, int max_blocks, int kv_max, float k_scale,
+                                    __nv_bfloat16* keys) {       // [B, kv_max, 576]
+  const int j = blockIdx.x;  // token position in the request
+  const int b = blockIdx.y;  // request
+  __nv_bfloat16* dst = keys + (size_t(b) * kv_max + j) * kLatentDim;
+  if (j >= kv_lens[b]) {
+    for (int d = threadIdx.x; d < kLatentDim; d += blockDim.x) dst[d] = __float2bfloat16(0.0f);
+    return;
+  }
+  const int64_t page = block_table[size_t(b) * max_blocks + j / page_size];
+  const CacheT* src = cache + (page * page_size + j % page_size) * kLatentDim;
+  for (int d = threadIdx.x; d < kLatentDim; d += blockDim.x)
+    dst[d] = __float2bfloat16(to_f32(src[d]) * k_scale);
+}
+
+// Block-wide max or sum of v (every thread gets the result). blockDim.x is a multiple of 32.
+template <bool kMax>
+__device__ float block_reduce(float v, float* scratch /* [32] shared */) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = kMax ? fmaxf(v, other) : v + other;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int num_warps = blockDim.x / 32;
+    v = lane < num_warps ? scratch[lane] : (kMax ? -INFINITY : 0.0f);
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float other = __shfl_xor_sync(0xffffffffu, v, offset);
+      v = kMax ? fmaxf(v, other) : v + other;
+    }
+    if (lane == 0) scratch[0] = v;
+  }
+  __syncthreads();
+  const float result = scratch[0];
+  __syncthreads();
+  return result;
+}
+
+// probs[b, m, j] = causal softmax over j of scale * scores[b, m, j]; row m is (query i, head h)
+// with m = i * heads + h; query i sees keys j <= kv_lens[b] - q_len + i. One block per row.
+__global__ void softmax_rows_kernel(const float* scores,     // [B, q_len * heads, kv_max]
+                                    const int32_t* kv_lens,  // [B]
+                                    int heads, int q_len, int kv_max, float scale,
+                                    __nv_bfloat16* probs) {  // [B, q_len * heads, kv_max]
+  __shared__ float scratch[32];
+  const size_t row = blockIdx.x;
+  const int rows_per_request = q_len * heads;
+  const int b = int(row / rows_per_request);
+  const int i = int(row % rows_per_request) / heads;
+  const int kv = kv_lens[b];
+  const int num_keys = max(0, min(kv, kv - q_len + i + 1));
+  const float* s = scores + row * kv_max;
+  __nv_bfloat16* p = probs + row * kv_max;
+
+  float row_max = -INFINITY;
+  for (int j = threadIdx.x; j < num_keys; j += blockDim.x) row_max = fmaxf(row_max, s[j]);
+  row_max = block_reduce<true>(row_max, scratch);
+  float row_sum = 0.0f;
+  for (int j = threadIdx.x; j < num_keys; j += blockDim.x) row_sum += __expf(scale * (s[j] - row_max));
+  row_sum = block_reduce<false>(row_sum, scratch);
+  for (int j = threadIdx.x; j < kv_max; j += blockDim.x)
+    p[j] = __float2bfloat16(j < num_keys ? __expf(scale * (s[j] - row_max)) / row_sum : 0.0f);
+}
+
+unsigned grid_for(size_t n, unsigned block) {
+  return unsigned(std::min<size_t>((n + block - 1) / block, 65535u * 16u));
+}
+
+// ---- the runner ------------------------------------------------------------------------------
+
+class GpuRunner final : public Runner {
+ public:
+  GpuRunner() {
+    MLA_CUDA_CHECK(cudaGetDevice(&device_));
+    MLA_CUDA_CHECK(cudaGetDeviceProperties(&props_, device_));
+    int driver = 0, runtime = 0;
+    MLA_CUDA_CHECK(cudaDriverGetVersion(&driver));
+    MLA_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+    driver_ = "CUDA driver " + version_string(driver) + ", runtime " + version_string(runtime);
+    MLA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    MLA_CUDA_CHECK(cudaEventCreate(&start_));
+    MLA_CUDA_CHECK(cudaEventCreate(&stop_));
+    BENCH_CUBLAS_CHECK(cublasCreate(&cublas_));
+    BENCH_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
+    // Writing twice the L2 size before each timed run evicts whatever the previous run left.
+    flush_ = DeviceMemory(std::max<size_t>(2 * size_t(props_.l2CacheSize), size_t(1) << 20));
+  }
+  ~GpuRunner() override {
+    cublasDestroy(cublas_);
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string device() const override { return "cuda"; }
+  std::string card() const override {
+    return std::string(props_.name) + " (sm_" + std::to_string(props_.major) +
+           std::to_string(props_.minor) + ", " + std::to_string(props_.multiProcessorCount) +
+           " SMs)";
+  }
+  std::string driver() const override { return driver_; }
+
+  std::optional<Ceilings> ceilings() override {
+    Ceilings c;
+    c.gemm_tflops = gemm_ceiling_tflops();
+    c.copy_gbps = copy_ceiling_gbps();
+    return c;
+  }
+
+  std::vector<Measurement> run_decode(const DecodeProblem& p, int warmup, int iters) override {
+    const BenchCase& c = p.c;
+    const DeviceMemory q = upload(p.q);
+    const DeviceMemory kv_cache = upload(p.kv_cache);
+    const DeviceMemory block_table = upload(p.block_table);
+    const DeviceMemory kv_lens = upload(p.kv_lens);
+    const size_t out_bytes = size_t(p.out_numel()) * dtype_size(p.out_dtype);
+    const std::vector<int64_t> out_shape = {p.num_tokens(), c.heads, kKvLoraRank};
+    std::vector<Measurement> results;
+
+    {
+      const DeviceMemory out = nan_output(out_bytes);
+      DecodeBuffers buffers;
+      buffers.q = q.get();
+      buffers.kv_cache = kv_cache.get();
+      buffers.block_table = block_table.get();
+      buffers.kv_lens = kv_lens.get();
+      buffers.out = out.get();
+      const MlaDecodeArgs args = decode_args(p, buffers, Device::cuda(device_));
+      Measurement m;
+      m.kernel = "mla-cuda";
+      m.time_us = time_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
+      m.out = download(out, p.out_dtype, out_shape);
+      results.push_back(std::move(m));
+    }
+
+    // The naive baseline, when its buffers fit.
+    const int kv_max = *std::max_element(p.kv_lens.begin(), p.kv_lens.end());
+    const int rows_per_request = c.q_len * c.heads;  // M: (query, head) rows of one request
+    const size_t keys_bytes = size_t(c.batch) * kv_max * kLatentDim * 2;
+    const size_t score_elems = size_t(c.batch) * rows_per_request * kv_max;
+    const size_t q_bf16_bytes = p.q_dtype == DType::kBF16 ? 0 : p.q.numel() * 2;
+    const size_t naive_bytes = keys_bytes + score_elems * (4 + 2) + q_bf16_bytes + p.out_numel() * 2;
+    size_t free_bytes = 0, total_bytes = 0;
+    MLA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    if (kv_max == 0 || naive_bytes > free_bytes / 10 * 9) return results;
+
+    const DeviceMemory keys(keys_bytes), scores(score_elems * 4), probs(score_elems * 2);
+    const DeviceMemory q_bf16(q_bf16_bytes);
+    const DeviceMemory out = nan_output(size_t(p.out_numel()) * 2);
+    const __nv_bfloat16* q_for_gemm = p.q_dtype == DType::kBF16 ? q.as<__nv_bfloat16>()
+                                                                : q_bf16.as<__nv_bfloat16>();
+    const float q_scale = p.q_dtype == DType::kFP8E4M3 ? p.q_scale : 1.0f;
+    const float k_scale = c.kv_dtype == DType::kFP8E4M3 ? p.k_scale : 1.0f;
+    auto naive = [&] {
+      const size_t q_elems = size_t(p.q.numel());
+      if (p.q_dtype == DType::kFP16)
+        convert_to_bf16_kernel<<<grid_for(q_elems, 256), 256, 0, stream_>>>(
+            q.as<__half>(), q_elems, q_scale, q_bf16.as<__nv_bfloat16>());
+      else if (p.q_dtype == DType::kFP8E4M3)
+        convert_to_bf16_kernel<<<grid_for(q_elems, 256), 256, 0, stream_>>>(
+            q.as<__nv_fp8_e4m3>(), q_elems, q_scale, q_bf16.as<__nv_bfloat16>());
+      MLA_CUDA_CHECK_LAUNCH();
+      const dim3 gather_grid(unsigned(kv_max), unsigned(c.batch));
+      switch (c.kv_dtype) {
+        case DType::kBF16:
+          gather_pages_kernel<<<gather_grid, 128, 0, stream_>>>(
+              kv_cache.as<__nv_bfloat16>(), block_table.as<int32_t>(), kv_lens.as<int32_t>(),
+              c.page_size, p.max_blocks, kv_max, k_scale, keys.as<__nv_bfloat16>());
+          break;
+        case DType::kFP16:
+          gather_pages_kernel<<<gather_grid, 128, 0, stream_>>>(
+              kv_cache.as<__half>(), block_table.as<int32_t>(), kv_lens.as<int32_t>(),
+              c.page_size, p.max_blocks, kv_max, k_scale, keys.as<__nv_bfloat16>());
+          break;
+        case DType::kFP8E4M3:
+          gather_pages_kernel<<<gather_grid, 128, 0, stream_>>>(
+              kv_cache.as<__nv_fp8_e4m3>(), block_table.as<int32_t>(), kv_lens.as<int32_t>(),
+              c.page_size, p.max_blocks, kv_max, k_scale, keys.as<__nv_bfloat16>());
+          break;
+        default: MLA_FAIL("naive decode: unsupported cache dtype ", dtype_name(c.kv_dtype));
+      }
+      MLA_CUDA_CHECK_LAUNCH();
+      // Row-major scores[M, kv] = Q[M, 576] · K[kv, 576]^T per request; in cuBLAS's column-major
+      // terms: scores^T (kv x M) = K^T' (op T of the 576 x kv matrix K) · Q^T (576 x M).
+      const float one = 1.0f, zero = 0.0f;
+      BENCH_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+          cublas_, CUBLAS_OP_T, CUBLAS_OP_N, kv_max, rows_per_request, kLatentDim, &one,
+          keys.get(), CUDA_R_16BF, kLatentDim, (long long)kv_max * kLatentDim,
+          q_for_gemm, CUDA_R_16BF, kLatentDim, (long long)rows_per_request * kLatentDim, &zero,
+          scores.get(), CUDA_R_32F, kv_max, (long long)rows_per_request * kv_max, c.batch,
+          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      softmax_rows_kernel<<<unsigned(size_t(c.batch) * rows_per_request), 256, 0, stream_>>>(
+          scores.as<float>(), kv_lens.as<int32_t>(), c.heads, c.q_len, kv_max, p.softmax_scale,
+          probs.as<__nv_bfloat16>());
+      MLA_CUDA_CHECK_LAUNCH();
+      // Row-major out[M, 512] = P[M, kv] · V[kv, 512], V = the first 512 columns of K (row
+      // stride 576); column-major: out^T (512 x M) = V^T (512 x kv, ld 576) · P^T (kv x M).
+      BENCH_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+          cublas_, CUBLAS_OP_N, CUBLAS_OP_N, kKvLoraRank, rows_per_request, kv_max, &one,
+          keys.get(), CUDA_R_16BF, kLatentDim, (long long)kv_max * kLatentDim,
+          probs.get(), CUDA_R_16BF, kv_max, (long long)rows_per_request * kv_max, &zero,
+          out.get(), CUDA_R_16BF, kKvLoraRank, (long long)rows_per_request * kKvLoraRank, c.batch,
+          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    };
+    Measurement m;
+    m.kernel = "naive-cublas";
+    m.is_baseline = true;
+    m.time_us = time_median_us(warmup, iters, naive);
+    m.out = download(out, DType::kBF16, out_shape);
+    results.push_back(std::move(m));
+    return results;
+  }
+
+  std::vector<Measurement> run_prefill(const PrefillProblem& p, int warmup, int iters) override {
+    const DeviceMemory q = upload(p.q), k = upload(p.k), v = upload(p.v);
+    const DeviceMemory cu_seq_lens = upload(p.cu_seq_lens);
+    const DeviceMemory out = nan_output(size_t(p.out_numel()) * dtype_size(p.out_dtype));
+    PrefillBuffers buffers;
+    buffers.q = q.get();
+    buffers.k = k.get();
+    buffers.v = v.get();
+    buffers.cu_seq_lens = cu_seq_lens.get();
+    buffers.out = out.get();
+    const MhaPrefillArgs args = prefill_args(p, buffers, Device::cuda(device_));
+    Measurement m;
+    m.kernel = "mla-cuda";
+    m.time_us = time_median_us(warmup, iters, [&] { mha_prefill(args, stream_); });
+    m.out = download(out, p.out_dtype, {p.c.tokens, p.c.heads, 128});
+    return {std::move(m)};
+  }
+
+ private:
+  static std::string version_string(int v) {
+    return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+  }
+
+  void flush_l2() {
+    MLA_CUDA_CHECK(cudaMemsetAsync(flush_.get(), flush_value_++ & 0xff, flush_.bytes(), stream_));
+  }
+
+  // Runs fn() (which enqueues work on stream_) warmup + iters times, each after an L2 flush;
+  // returns the median event-timed duration of the timed runs in microseconds.
+  template <typename Fn>
+  double time_median_us(int warmup, int iters, Fn&& fn) {
+    for (int i = 0; i < warmup; ++i) {
+      flush_l2();
+      fn();
+    }
+    MLA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<double> times;
+    for (int i = 0; i < iters; ++i) {
+      flush_l2();
+      MLA_CUDA_CHECK(cudaEventRecord(start_, stream_));
+      fn();
+      MLA_CUDA_CHECK(cudaEventRecord(stop_, stream_));
+      MLA_CUDA_CHECK(cudaEventSynchronize(stop_));
+      float ms = 0;
+      MLA_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+      times.push_back(double(ms) * 1e3);
+    }
+    return median(std::move(times));
+  }
+
+  // A 8192^3 bf16 GEMM (fp32 accumulate) on random data: the card's matrix-math ceiling.
+  double gemm_ceiling_tflops() {
+    constexpr int n = 8192;
+    const size_t elems = size_t(n) * n;
+    const DeviceMemory a(elems * 2), b(elems * 2), c(elems * 2);
+    fill_random_bf16_kernel<<<grid_for(elems, 256), 256, 0, stream_>>>(a.as<__nv_bfloat16>(), elems, 1);
+    MLA_CUDA_CHECK_LAUNCH();
+    fill_random_bf16_kernel<<<grid_for(elems, 256), 256, 0, stream_>>>(b.as<__nv_bfloat16>(), elems, 2);
+    MLA_CUDA_CHECK_LAUNCH();
+    const float one = 1.0f, zero = 0.0f;
+    const double us = time_median_us(3, 10, [&] {
+      BENCH_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a.get(),
+                                      CUDA_R_16BF, n, b.get(), CUDA_R_16BF, n, &zero, c.get(),
+                                      CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    });
+    return 2.0 * n * double(n) * n / (us * 1e-6) / 1e12;
+  }
+
+  // A 1 GiB device-to-device copy; bytes moved = read + write.
+  double copy_ceiling_gbps() {
+    const size_t bytes = size_t(1) << 30;
+    const DeviceMemory src(bytes), dst(bytes);
+    MLA_CUDA_CHECK(cudaMemsetAsync(src.get(), 0x3c, bytes, stream_));
+    const double us = time_median_us(2, 10, [&] {
+      MLA_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream_));
+    });
+    return 2.0 * double(bytes) / (us * 1e-6) / 1e9;
+  }
+
+  int device_ = 0;
+  cudaDeviceProp props_{};
+  std::string driver_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  DeviceMemory flush_;
+  unsigned flush_value_ = 0;
+};
+
+}  // namespace
+
+bool cuda_device_available() {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the error state
+    return false;
+  }
+  return count > 0;
+}
+
+std::unique_ptr<Runner> make_cuda_runner() { return std::make_unique<GpuRunner>(); }
+
+}  // namespace mla::bench
