@@ -1,0 +1,95 @@
+// build_block_table on the GPU: block_table[b, j] = req_to_token[req_pool_indices[b], j * S] / S
+// for the pages request b uses (j < ceil(seq_lens[b] / S)), -1 for the rest of the row.
+//
+// Algorithm: blockIdx.y walks requests, blockIdx.x and the threads walk the columns of the row
+// (grid-stride in both), so a row of any width is written with coalesced stores; the
+// req_to_token reads are a strided gather (one token slot per page).
+//
+// Device-side index handling (no host sync, so no exception): the CPU path throws on each case
+// below; here nothing out of bounds is read or written instead:
+//   * req_pool_indices[b] outside [0, R), seq_lens[b] < 0, or seq_lens[b] > min(max_blocks * S,
+//     req_to_token.shape[1]): row b of the block table is left untouched;
+//   * a negative token slot req_to_token[r, j * S]: entry (b, j) is left untouched.
+//
+// History: v1 (this version) — one thread per table entry, grid-stride over requests and columns.
+#include "cuda/common/elementwise.cuh"
+#include "cuda/cuda_ops.hpp"
+
+namespace mla::cuda {
+namespace {
+
+struct BlockTableParams {
+  const int* req_to_token;       // [R, max_context_len] int32, row stride req_to_token_stride
+  int64_t req_to_token_stride;
+  int64_t num_req_slots;         // R
+  int64_t max_context_len;
+  const void* req_pool_indices;  // [B] int32/int64
+  int64_t req_pool_indices_stride;
+  bool req_pool_indices_int64;
+  const void* seq_lens;          // [B] int32/int64
+  int64_t seq_lens_stride;
+  bool seq_lens_int64;
+  int* block_table;              // [B, max_blocks] int32, row stride block_table_stride
+  int64_t block_table_stride;
+  int64_t batch_size;            // B
+  int64_t max_blocks;
+  int page_shift;                // log2(S)
+};
+
+__global__ void __launch_bounds__(128) build_block_table_kernel(const __grid_constant__ BlockTableParams p) {
+  const int64_t page_size = int64_t(1) << p.page_shift;
+  const int64_t max_len = min(p.max_blocks * page_size, p.max_context_len);
+  for (int64_t b = blockIdx.y; b < p.batch_size; b += gridDim.y) {
+    const int64_t req = load_index(p.req_pool_indices, p.req_pool_indices_int64,
+                                   p.req_pool_indices_stride, b);
+    const int64_t seq_len = load_index(p.seq_lens, p.seq_lens_int64, p.seq_lens_stride, b);
+    if (req < 0 || req >= p.num_req_slots || seq_len < 0 || seq_len > max_len) continue;
+    const int64_t num_blocks = (seq_len + page_size - 1) >> p.page_shift;
+    const int* token_slots = p.req_to_token + req * p.req_to_token_stride;
+    int* row = p.block_table + b * p.block_table_stride;
+    for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < p.max_blocks;
+         j += int64_t(gridDim.x) * blockDim.x) {
+      if (j >= num_blocks) {
+        row[j] = -1;
+        continue;
+      }
+      const int slot = __ldg(token_slots + (j << p.page_shift));
+      if (slot >= 0) row[j] = slot >> p.page_shift;
+    }
+  }
+}
+
+}  // namespace
+
+void build_block_table(const BuildBlockTableArgs& args, Stream stream) {
+  const DeviceGuard guard(args.block_table.device);
+  int page_shift = 0;
+  while ((1 << page_shift) < args.page_size) ++page_shift;
+
+  BlockTableParams p{};
+  p.req_to_token = static_cast<const int*>(args.req_to_token.data);
+  p.req_to_token_stride = args.req_to_token.stride[0];
+  p.num_req_slots = args.req_to_token.shape[0];
+  p.max_context_len = args.req_to_token.shape[1];
+  p.req_pool_indices = args.req_pool_indices.data;
+  p.req_pool_indices_stride = args.req_pool_indices.stride[0];
+  p.req_pool_indices_int64 = args.req_pool_indices.dtype == DType::kInt64;
+  p.seq_lens = args.seq_lens.data;
+  p.seq_lens_stride = args.seq_lens.stride[0];
+  p.seq_lens_int64 = args.seq_lens.dtype == DType::kInt64;
+  p.block_table = static_cast<int*>(args.block_table.data);
+  p.block_table_stride = args.block_table.stride[0];
+  p.batch_size = args.block_table.shape[0];
+  p.max_blocks = args.block_table.shape[1];
+  p.page_shift = page_shift;
+  if (p.batch_size == 0 || p.max_blocks == 0) return;
+
+  constexpr int kThreads = 128;
+  const int64_t column_blocks = std::min<int64_t>((p.max_blocks + kThreads - 1) / kThreads, 64);
+  const int64_t request_blocks = std::min<int64_t>(p.batch_size, 65535);
+  const dim3 grid{unsigned(column_blocks), unsigned(request_blocks)};
+  build_block_table_kernel<<<grid, kThreads, 0, to_cuda(stream)>>>(p);
+  MLA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mla::cuda
