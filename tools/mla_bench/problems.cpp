@@ -104,7 +104,9 @@ DecodeProblem make_decode_problem(const BenchCase& c, uint64_t seed) {
   }
   const int S = c.page_size;
   const int pages_per_request = (c.kv_len + S - 1) / S;
-  p.max_blocks = std::max(1, pages_per_request);
+  // Block-table rows padded to whole 128-token spans, as the planner sizes them (mla/plan.hpp).
+  const int span_pages = std::max(1, 128 / S);
+  p.max_blocks = std::max(1, (pages_per_request + span_pages - 1) / span_pages) * span_pages;
   const int64_t used_pages = int64_t(c.batch) * pages_per_request;
   const int64_t spare_pages = used_pages / 8 + 1;
   MLA_CHECK(used_pages + spare_pages < (int64_t(1) << 31), "decode case needs too many pages: ",
