@@ -1,17 +1,17 @@
 // cuda::mha_prefill: GPU-specific checks (launch bound, alignment), params, dispatch by input type.
 // Shapes, dtypes and devices were validated by the public entry (src/ops/mha_prefill.cpp).
-#include <cmath>
-
 #include <algorithm>
+#include <cstdint>
 
-#include "cuda/cuda_ops.hpp"  // before cuda_check.hpp, which uses mla::Stream
 #include "cuda/cuda_check.hpp"
+#include "cuda/cuda_ops.hpp"
 #include "cuda/prefill/prefill_params.cuh"
 
 namespace mla::cuda {
 namespace {
 
 constexpr const char* kOp = "mha_prefill";
+constexpr double kLog2e = 1.4426950408889634074;
 
 // The kernel copies 16-byte chunks: the base pointer and every token and head step must keep
 // rows 16-byte aligned.
@@ -79,7 +79,7 @@ void mha_prefill(const MhaPrefillArgs& args, Stream stream) {
   // The scales of fp8 inputs apply to the scores (q, k) and the output (v); 16-bit inputs ignore them.
   const bool fp8 = args.q.dtype == DType::kFP8E4M3;
   const double score_scale = double(args.softmax_scale) * (fp8 ? double(args.q_scale) * args.k_scale : 1.0);
-  p.score_scale_log2 = float(score_scale * M_LOG2E);
+  p.score_scale_log2 = float(score_scale * kLog2e);
   p.v_scale = fp8 ? args.v_scale : 1.0f;
   p.out_kind = out_kind_of(args.out.dtype);
 

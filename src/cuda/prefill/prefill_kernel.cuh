@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "mla/tensor.hpp"  // before cuda_check.hpp, which uses mla::Stream
 #include "cuda/common/warp_mma.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/prefill/prefill_params.cuh"
