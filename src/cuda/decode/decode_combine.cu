@@ -1,0 +1,131 @@
+// mla_decode combine kernel: merges the pieces of each split unit (row tile whose keys were
+// divided among several CTAs) by their LSE.
+//
+// For each row: lse = ln(sum_k exp(lse_k)), out = sum_k exp(lse_k - lse) * out_k, where out_k is
+// piece k's normalised output (already scaled by k_scale). Pieces whose rows saw no key have
+// lse_k = -inf and weigh nothing; a row with no key in any piece gets out 0 and lse -inf.
+//
+// Grid: (num_parts, block_m / 8): x = split unit (CTAs past the planned count exit at once, so
+// the grid is fixed and graph-capturable), y = group of 8 rows; one warp per row, each lane owns
+// 16 of the 512 columns (4 x float4, coalesced).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/decode/decode_launch.hpp"
+
+namespace mla::cuda::decode {
+namespace {
+
+constexpr int kRowsPerCta = 8;
+
+__device__ __forceinline__ void store_out4(const DecodeParams& p, void* row_base, int col,
+                                           const float4& v) {
+  switch (p.out_dtype) {
+    case kOutBF16: {
+      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(row_base) + col;
+      if (p.out_pair_ok) {
+        reinterpret_cast<__nv_bfloat162*>(o)[0] = __floats2bfloat162_rn(v.x, v.y);
+        reinterpret_cast<__nv_bfloat162*>(o)[1] = __floats2bfloat162_rn(v.z, v.w);
+      } else {
+        o[0] = __float2bfloat16_rn(v.x);
+        o[1] = __float2bfloat16_rn(v.y);
+        o[2] = __float2bfloat16_rn(v.z);
+        o[3] = __float2bfloat16_rn(v.w);
+      }
+      break;
+    }
+    case kOutFP16: {
+      __half* o = static_cast<__half*>(row_base) + col;
+      if (p.out_pair_ok) {
+        reinterpret_cast<__half2*>(o)[0] = __floats2half2_rn(v.x, v.y);
+        reinterpret_cast<__half2*>(o)[1] = __floats2half2_rn(v.z, v.w);
+      } else {
+        o[0] = __float2half_rn(v.x);
+        o[1] = __float2half_rn(v.y);
+        o[2] = __float2half_rn(v.z);
+        o[3] = __float2half_rn(v.w);
+      }
+      break;
+    }
+    default: {
+      float* o = static_cast<float*>(row_base) + col;
+      if (p.out_pair_ok) {
+        reinterpret_cast<float2*>(o)[0] = make_float2(v.x, v.y);
+        reinterpret_cast<float2*>(o)[1] = make_float2(v.z, v.w);
+      } else {
+        o[0] = v.x;
+        o[1] = v.y;
+        o[2] = v.z;
+        o[3] = v.w;
+      }
+      break;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kRowsPerCta * 32)
+    mla_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+  const ScheduleHeader& header = *p.schedule.header;
+  if (int(blockIdx.x) >= header.num_split_units) return;
+  const SplitUnit unit = p.schedule.split_units[blockIdx.x];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int block_m = header.block_m;
+  const int row_local = int(blockIdx.y) * kRowsPerCta + warp;
+  if (row_local >= block_m) return;
+  const int num_heads = p.layout.num_heads;
+  const RequestGeometry g = request_geometry(p.layout, unit.request);
+  const int r = unit.row_tile * block_m + row_local;
+  if (r >= g.q_len * num_heads) return;
+  const int64_t token = g.q_start + r / num_heads;
+  const int head = r % num_heads;
+
+  const float* lse_k = p.schedule.partial_lse + int64_t(unit.slot_begin) * kMaxBlockM + row_local;
+  float lse_max = -INFINITY;
+  for (int k = lane; k < unit.num_pieces; k += 32) lse_max = fmaxf(lse_max, lse_k[int64_t(k) * kMaxBlockM]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, off));
+
+  float4 acc[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float lse = -INFINITY;
+  if (lse_max != -INFINITY) {
+    float sum = 0.0f;
+    for (int k = lane; k < unit.num_pieces; k += 32) sum += expf(lse_k[int64_t(k) * kMaxBlockM] - lse_max);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    lse = lse_max + logf(sum);
+    for (int k = 0; k < unit.num_pieces; ++k) {
+      const float w = expf(lse_k[int64_t(k) * kMaxBlockM] - lse);  // 0 for an empty piece
+      const float4* src = reinterpret_cast<const float4*>(
+          p.schedule.partial_out + (int64_t(unit.slot_begin + k) * kMaxBlockM + row_local) * kValueDim);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float4 v = src[lane + 32 * i];
+        acc[i].x += w * v.x;
+        acc[i].y += w * v.y;
+        acc[i].z += w * v.z;
+        acc[i].w += w * v.w;
+      }
+    }
+  }
+
+  const int64_t elem = p.out_dtype == kOutFP32 ? 4 : 2;
+  void* row_base = static_cast<char*>(p.out) + (token * p.out_stride_t + head * p.out_stride_h) * elem;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) store_out4(p, row_base, 4 * (lane + 32 * i), acc[i]);
+  if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
+}
+
+}  // namespace
+
+void launch_combine_kernel(const DecodeParams& params, int block_m, cudaStream_t stream) {
+  const dim3 grid(unsigned(params.schedule.num_parts), unsigned((block_m + kRowsPerCta - 1) / kRowsPerCta));
+  mla_decode_combine_kernel<<<grid, kRowsPerCta * 32, 0, stream>>>(params);
+  MLA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mla::cuda::decode

@@ -1,0 +1,181 @@
+// cuda::mla_decode: builds the decode kernels' parameters from validated MlaDecodeArgs and
+// dispatches on (compute dtype, row-tile class) — the only place that chooses an instantiation.
+//
+// Called by the public mla::mla_decode after it validated shapes, dtypes and devices; the checks
+// here cover what only the GPU path requires (16-byte aligned cache, a 16-bit compute dtype that
+// query and cache share, max_q_len with cu_q_lens, a schedule that matches the call).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/cuda_ops.hpp"
+#include "cuda/decode/decode_launch.hpp"
+#include "mla/schedule.hpp"
+
+namespace mla::cuda {
+namespace {
+
+using namespace decode;
+
+bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+template <typename T>
+void launch_for_rows(int block_m, const DecodeParams& params, int grid, cudaStream_t stream) {
+  switch (block_m) {
+    case 16: launch_decode_kernel<T, 1>(params, grid, stream); break;
+    case 32: launch_decode_kernel<T, 2>(params, grid, stream); break;
+    case 64: launch_decode_kernel<T, 4>(params, grid, stream); break;
+    default: MLA_FAIL("mla_decode: no decode kernel for row tiles of ", block_m, " rows");
+  }
+}
+
+}  // namespace
+
+void mla_decode(const MlaDecodeArgs& args, Stream stream) {
+  constexpr const char* op = "mla_decode";
+  const bool split_q = args.q.empty();
+  const TensorView& q_main = split_q ? args.q_nope : args.q;
+  const int64_t num_tokens = q_main.shape[0];
+  const int64_t num_heads = q_main.shape[1];
+  const int64_t batch = args.kv_lens.shape[0];
+  MLA_CHECK(num_tokens <= INT_MAX / 2 && batch <= INT_MAX / 2, op, ": ", num_tokens, " tokens and ",
+            batch, " requests exceed the GPU kernel's 32-bit indexing");
+  MLA_CHECK(num_heads >= 1 && num_heads <= kMaxHeads, op, ": the GPU kernel supports 1 to ", kMaxHeads,
+            " heads, got ", num_heads);
+
+  // Compute dtype: the 16-bit dtype of the query or the cache; fp8 operands are converted to it.
+  const DType q_dtype = q_main.dtype;
+  const DType kv_dtype = args.kv_cache.dtype;
+  const auto is16 = [](DType d) { return d == DType::kBF16 || d == DType::kFP16; };
+  const DType compute = is16(q_dtype) ? q_dtype : is16(kv_dtype) ? kv_dtype : DType::kBF16;
+  MLA_CHECK((q_dtype == compute || q_dtype == DType::kFP8E4M3) &&
+                (kv_dtype == compute || kv_dtype == DType::kFP8E4M3),
+            op, ": on the GPU the query (", dtype_name(q_dtype), ") and kv_cache (",
+            dtype_name(kv_dtype), ") must share one 16-bit dtype (bf16 or fp16), either may be fp8");
+  if (split_q) {
+    MLA_CHECK(args.q_pe.dtype == q_dtype, op, ": q_pe dtype ", dtype_name(args.q_pe.dtype),
+              " must match q_nope dtype ", dtype_name(q_dtype));
+  }
+
+  const int64_t page_size = args.kv_cache.shape[1];
+  int page_shift = 0;
+  while ((int64_t(1) << page_shift) < page_size) ++page_shift;
+  MLA_CHECK(page_size >= 1 && page_size <= kMaxPageSize && (int64_t(1) << page_shift) == page_size,
+            op, ": page size (kv_cache.shape[1]) must be a power of two in [1, ", kMaxPageSize,
+            "], got ", page_size);
+  MLA_CHECK(aligned(args.kv_cache.data, 16), op,
+            ": kv_cache must be 16-byte aligned on the GPU, got address ", args.kv_cache.data);
+
+  const bool has_cu = !args.cu_q_lens.empty();
+  const int max_q_len = has_cu ? args.max_q_len : args.q_len;
+  MLA_CHECK(max_q_len >= 1, op, has_cu ? ": max_q_len must be >= 1 on the GPU when cu_q_lens is given"
+                                       : ": q_len must be >= 1", ", got ", max_q_len);
+  if (num_tokens == 0 || batch == 0) return;
+
+  DecodeParams p{};
+  const size_t q_elem = dtype_size(q_dtype);
+  if (split_q) {
+    p.q_nope = args.q_nope.data;
+    p.q_pe = args.q_pe.data;
+    p.q_nope_stride_t = args.q_nope.stride[0];
+    p.q_nope_stride_h = args.q_nope.stride[1];
+    p.q_pe_stride_t = args.q_pe.stride[0];
+    p.q_pe_stride_h = args.q_pe.stride[1];
+  } else {
+    p.q_nope = args.q.data;
+    p.q_pe = static_cast<const char*>(args.q.data) + kKvLoraRank * q_elem;
+    p.q_nope_stride_t = p.q_pe_stride_t = args.q.stride[0];
+    p.q_nope_stride_h = p.q_pe_stride_h = args.q.stride[1];
+  }
+  p.q_is_fp8 = q_dtype == DType::kFP8E4M3;
+  const int64_t vec = int64_t(16 / q_elem);  // elements per 16 bytes
+  p.q_vector_ok = aligned(p.q_nope, 16) && aligned(p.q_pe, 16) && p.q_nope_stride_t % vec == 0 &&
+                  p.q_nope_stride_h % vec == 0 && p.q_pe_stride_t % vec == 0 &&
+                  p.q_pe_stride_h % vec == 0;
+
+  p.kv_cache = args.kv_cache.data;
+  p.num_pages = args.kv_cache.shape[0];
+  p.page_shift = page_shift;
+  p.kv_is_fp8 = kv_dtype == DType::kFP8E4M3;
+  p.block_table = static_cast<const int32_t*>(args.block_table.data);
+  p.block_table_stride_b = args.block_table.stride[0];
+  p.block_table_stride_j = args.block_table.stride[1];
+
+  BatchLayout& layout = p.layout;
+  layout.kv_lens = static_cast<const int32_t*>(args.kv_lens.data);
+  layout.kv_lens_stride = args.kv_lens.stride[0];
+  layout.cu_q_lens = has_cu ? static_cast<const int32_t*>(args.cu_q_lens.data) : nullptr;
+  layout.cu_q_lens_stride = has_cu ? args.cu_q_lens.stride[0] : 0;
+  layout.q_len = has_cu ? 0 : args.q_len;
+  layout.max_q_len = max_q_len;
+  layout.num_tokens = int(num_tokens);
+  const int64_t max_kv = args.block_table.shape[1] * page_size;
+  layout.max_kv_len = max_kv > INT_MAX ? INT_MAX : int(max_kv);
+  layout.batch_size = int(batch);
+  layout.num_heads = int(num_heads);
+
+  const bool fp8_cache = kv_dtype == DType::kFP8E4M3;
+  const float score_scale = args.softmax_scale * (p.q_is_fp8 ? args.q_scale : 1.0f) *
+                            (fp8_cache ? args.k_scale : 1.0f);
+  p.score_scale_log2 = score_scale * 1.4426950408889634f;
+  p.out_scale = fp8_cache ? args.k_scale : 1.0f;
+
+  p.out = args.out.data;
+  p.out_stride_t = args.out.stride[0];
+  p.out_stride_h = args.out.stride[1];
+  switch (args.out.dtype) {
+    case DType::kBF16: p.out_dtype = kOutBF16; break;
+    case DType::kFP16: p.out_dtype = kOutFP16; break;
+    case DType::kFP32: p.out_dtype = kOutFP32; break;
+    default: MLA_FAIL(op, ": out dtype must be bf16, fp16 or fp32, got ", dtype_name(args.out.dtype));
+  }
+  const size_t out_elem = dtype_size(args.out.dtype);
+  p.out_pair_ok = aligned(args.out.data, 2 * out_elem) && p.out_stride_t % 2 == 0 &&
+                  p.out_stride_h % 2 == 0;
+  if (!args.lse.empty()) {
+    p.lse = static_cast<float*>(args.lse.data);
+    p.lse_stride_t = args.lse.stride[0];
+    p.lse_stride_h = args.lse.stride[1];
+  }
+
+  const int block_m = block_m_for_rows(int64_t(max_q_len) * num_heads);
+  const int64_t tiles_per_request = (int64_t(max_q_len) * num_heads + block_m - 1) / block_m;
+  p.tiles_per_request = int(tiles_per_request);
+  int grid = 0;
+  if (args.schedule != nullptr) {
+    const DecodeSchedule& s = *args.schedule;
+    MLA_CHECK(s.workspace != nullptr, op, ": schedule has no workspace (make_decode_schedule)");
+    MLA_CHECK(args.kv_lens.device.index == s.device, op, ": the schedule's workspace is on cuda:",
+              s.device, " but the tensors are on ", device_name(args.kv_lens.device));
+    MLA_CHECK(s.num_heads == num_heads, op, ": the schedule was made for ", s.num_heads,
+              " heads but q has ", num_heads);
+    MLA_CHECK(batch <= s.max_batch, op, ": batch of ", batch,
+              " requests exceeds the schedule's max_batch ", s.max_batch);
+    MLA_CHECK(max_q_len <= s.max_q_len, op, ": max_q_len ", max_q_len,
+              " exceeds the schedule's max_q_len ", s.max_q_len);
+    char* ws = static_cast<char*>(s.workspace);
+    p.has_schedule = 1;
+    p.schedule.header = reinterpret_cast<const ScheduleHeader*>(ws + s.header_offset);
+    p.schedule.items = reinterpret_cast<const WorkItem*>(ws + s.items_offset);
+    p.schedule.part_begin = reinterpret_cast<const int*>(ws + s.part_begin_offset);
+    p.schedule.split_units = reinterpret_cast<const SplitUnit*>(ws + s.split_units_offset);
+    p.schedule.partial_lse = reinterpret_cast<float*>(ws + s.partial_lse_offset);
+    p.schedule.partial_out = reinterpret_cast<float*>(ws + s.partial_out_offset);
+    p.schedule.num_parts = s.num_parts;
+    grid = s.num_parts;
+  } else {
+    const int64_t ctas = batch * tiles_per_request;
+    MLA_CHECK(ctas <= INT_MAX, op, ": ", ctas, " thread blocks exceed the grid limit");
+    grid = int(ctas);
+  }
+
+  const cudaStream_t cs = to_cuda(stream);
+  if (compute == DType::kBF16) launch_for_rows<__nv_bfloat16>(block_m, p, grid, cs);
+  else launch_for_rows<__half>(block_m, p, grid, cs);
+  if (p.has_schedule) launch_combine_kernel(p, block_m, cs);
+}
+
+}  // namespace mla::cuda

@@ -1,0 +1,603 @@
+// mla_decode main kernel: absorbed (MQA) attention of a tile of query rows over a range of keys
+// of the paged latent cache, with warp-level tensor cores (mma.sync m16n8k16, fp32 accumulate).
+//
+// Algorithm (one CTA = 8 warps, one work item at a time; persistent over its item list):
+//   rows   kBlockM (16, 32 or 64) rows (token i, head h) of ONE request, flattened r = i * H + h;
+//          all of them share every key (MQA), so each key tile is read once for all heads.
+//   Q      (kBlockM, 576) in shared memory for the whole item.
+//   loop over key tiles of kBlockN = 64 cache rows (cp.async, double buffered; an fp8 cache is
+//   staged raw and converted to the compute dtype in shared memory):
+//     S = Q K^T          warp (wm, wn) computes rows [16 wm, +16) x keys [wn * 64/kWarpsN, ...)
+//     mask               causal limit per row, key range of the item; scaled to the exp2 domain
+//     online softmax     row max across the kWarpsN key slices through shared memory; P
+//                        rounded to the compute dtype and written to shared memory
+//     O += P V           warp (wm, wn) owns O rows [16 wm, +16) x columns [wn * 512/kWarpsN, ...);
+//                        V is the first 512 columns of the same K tile (ldmatrix .trans)
+//   epilogue: row sums across warps; normalise; write the output (and LSE) directly, or, for a
+//   piece of a split unit, the normalised fp32 partial output and its LSE into the workspace.
+//
+// Warp layout by row-tile class (kRowTiles = kBlockM / 16, kWarpsM = kRowTiles, kWarpsN = 8 / it):
+//   kBlockM 16: 1 x 8 warps, S slice 8 keys, O slice 16 x 64   (few heads: H * q_len <= 16)
+//   kBlockM 32: 2 x 4 warps, S slice 16 keys, O slice 16 x 128
+//   kBlockM 64: 4 x 2 warps, S slice 32 keys, O slice 16 x 256 (128 fp32 accumulators / thread)
+// Warps whose 16 rows are all past the tile's valid rows skip their tensor-core work.
+//
+// Shared memory (bytes, kBlockM = 64, bf16): Q 73,728 | K 2 x 73,728 (fp8: K 73,728 + raw
+// 2 x 36,864) | P 8,192 | row max/sum 1,024 = 230,400 (the sm_90 limit is 232,448). Rows of 576
+// values (72 chunks of 16 bytes) are XOR-swizzled, chunk' = chunk ^ (row % 8), so that the 8
+// row addresses of every ldmatrix fall in 8 distinct bank groups; P rows (8 chunks) likewise.
+//
+// Numerics: scores and softmax in fp32 (exp2 domain); P is rounded to the compute dtype (bf16 or
+// fp16) before P V, and the row sum uses the rounded values, so the weights sum to 1 exactly.
+// Keys past the item's range are zero-filled (never read), so NaN in unused pages cannot leak.
+//
+// Version history: v1 mma.sync + cp.async double buffering, split-KV via plan_decode + combine.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/common/warp_mma.cuh"
+#include "cuda/cuda_check.hpp"
+#include "cuda/decode/decode_params.cuh"
+
+namespace mla::cuda::decode {
+
+template <typename T, int kRowTiles>
+struct DecodeTraits {
+  static_assert(kRowTiles == 1 || kRowTiles == 2 || kRowTiles == 4);
+  static constexpr int kBlockM = 16 * kRowTiles;
+  static constexpr int kWarpsM = kRowTiles;                    // warps along rows
+  static constexpr int kWarpsN = (kThreads / 32) / kRowTiles;  // warps along keys (S), columns (O)
+  static constexpr int kKeysPerWarp = kBlockN / kWarpsN;       // 8, 16, 32
+  static constexpr int kKeyFrags = kKeysPerWarp / 8;           // n8 fragments of S per warp
+  static constexpr int kColsPerWarp = kValueDim / kWarpsN;     // 64, 128, 256
+  static constexpr int kColFrags = kColsPerWarp / 8;           // n8 fragments of O per warp
+  static constexpr int kChunks = kHeadDim / 8;                 // 72 chunks of 8 values per row
+
+  struct Fp8Tiles {
+    T k[kBlockN * kHeadDim];                // (64, 576) converted tile, swizzled
+    uint8_t raw[2][kBlockN * kHeadDim];     // (64, 576) fp8 as loaded, double buffered
+  };
+  struct SharedStorage {
+    T q[kBlockM * kHeadDim];                // (kBlockM, 576), swizzled
+    union {
+      T k[2][kBlockN * kHeadDim];           // (64, 576) x 2 stages, swizzled
+      Fp8Tiles fp8;
+    } kv;
+    T p[kBlockM * kBlockN];                 // (kBlockM, 64), swizzled
+    float row_max[kWarpsN][kBlockM];        // per key slice, this tile
+    float row_sum[kWarpsN][kBlockM];        // per key slice, end of item
+  };
+  static constexpr size_t kSmemBytes = sizeof(SharedStorage);
+};
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled (rows, 576) tile.
+__device__ __forceinline__ int qk_offset(int row, int chunk) {
+  return (row * (kHeadDim / 8) + (chunk ^ (row & 7))) * 8;
+}
+// Element offset of chunk `chunk` of row `row` in the swizzled (rows, 64) P tile.
+__device__ __forceinline__ int p_offset(int row, int chunk) {
+  return (row * (kBlockN / 8) + (chunk ^ (row & 7))) * 8;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+  } else {
+    return __half22float2(*reinterpret_cast<__half2*>(&v));
+  }
+}
+
+// Two fp8 e4m3 values (low byte first) -> two values of T, packed. Exact: every e4m3 value is
+// representable in bf16 and in fp16.
+template <typename T>
+__device__ __forceinline__ uint32_t fp8x2_to(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
+  if constexpr (std::is_same_v<T, __half>) {
+    return uint32_t(h.x) | (uint32_t(h.y) << 16);
+  } else {
+    const float2 f = __half22float2(__half2(h));
+    return pack2<T>(f.x, f.y);
+  }
+}
+
+// 16 fp8 values -> 16 values of T in two 16-byte chunks.
+template <typename T>
+__device__ __forceinline__ void fp8x16_to(const uint4& raw, uint4& lo, uint4& hi) {
+  lo.x = fp8x2_to<T>(raw.x & 0xffff);
+  lo.y = fp8x2_to<T>(raw.x >> 16);
+  lo.z = fp8x2_to<T>(raw.y & 0xffff);
+  lo.w = fp8x2_to<T>(raw.y >> 16);
+  hi.x = fp8x2_to<T>(raw.z & 0xffff);
+  hi.y = fp8x2_to<T>(raw.z >> 16);
+  hi.z = fp8x2_to<T>(raw.w & 0xffff);
+  hi.w = fp8x2_to<T>(raw.w >> 16);
+}
+
+template <typename T>
+__device__ __forceinline__ float load_scalar(const void* base, int64_t index, bool is_fp8) {
+  if (is_fp8) {
+    __nv_fp8_e4m3 v;
+    v.__x = static_cast<const __nv_fp8_storage_t*>(base)[index];
+    return float(v);
+  }
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
+  } else {
+    return __half2float(static_cast<const __half*>(base)[index]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
+  else return __float2half_rn(v);
+}
+
+// Writes out[col], out[col + 1] of one output row in the output dtype.
+__device__ __forceinline__ void store_out_pair(const DecodeParams& p, void* row_base, int col,
+                                               float v0, float v1) {
+  switch (p.out_dtype) {
+    case kOutBF16: {
+      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(row_base) + col;
+      if (p.out_pair_ok) {
+        *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        o[0] = __float2bfloat16_rn(v0);
+        o[1] = __float2bfloat16_rn(v1);
+      }
+      break;
+    }
+    case kOutFP16: {
+      __half* o = static_cast<__half*>(row_base) + col;
+      if (p.out_pair_ok) {
+        *reinterpret_cast<__half2*>(o) = __floats2half2_rn(v0, v1);
+      } else {
+        o[0] = __float2half_rn(v0);
+        o[1] = __float2half_rn(v1);
+      }
+      break;
+    }
+    default: {
+      float* o = static_cast<float*>(row_base) + col;
+      if (p.out_pair_ok) {
+        *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
+      } else {
+        o[0] = v0;
+        o[1] = v1;
+      }
+      break;
+    }
+  }
+}
+
+// Address of output row (token, head), as bytes.
+__device__ __forceinline__ void* out_row(const DecodeParams& p, int64_t token, int head) {
+  const int64_t elem = p.out_dtype == kOutFP32 ? 4 : 2;
+  return static_cast<char*>(p.out) + (token * p.out_stride_t + head * p.out_stride_h) * elem;
+}
+
+template <typename T, int kRowTiles>
+struct DecodeCta {
+  using Traits = DecodeTraits<T, kRowTiles>;
+  using Smem = typename Traits::SharedStorage;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kWarpsM = Traits::kWarpsM;
+  static constexpr int kWarpsN = Traits::kWarpsN;
+  static constexpr int kKeysPerWarp = Traits::kKeysPerWarp;
+  static constexpr int kKeyFrags = Traits::kKeyFrags;
+  static constexpr int kColsPerWarp = Traits::kColsPerWarp;
+  static constexpr int kColFrags = Traits::kColFrags;
+
+  const DecodeParams& p;
+  Smem& s;
+  const int tid, lane, wm, wn;
+
+  __device__ DecodeCta(const DecodeParams& params, Smem& smem)
+      : p(params), s(smem), tid(threadIdx.x), lane(threadIdx.x & 31),
+        wm((threadIdx.x >> 5) % kWarpsM), wn((threadIdx.x >> 5) / kWarpsM) {}
+
+  // Q rows [row0, row0 + valid_rows) of the request starting at token q_start -> s.q; rows past
+  // valid_rows are zero. Vector rows go through cp.async (committed with the first key tile).
+  __device__ void load_q(int q_start, int row0, int valid_rows) {
+    const int num_heads = p.layout.num_heads;
+    if (p.q_vector_ok && !p.q_is_fp8) {
+      for (int idx = tid; idx < kBlockM * Traits::kChunks; idx += kThreads) {
+        const int row = idx / Traits::kChunks;
+        const int c = idx - row * Traits::kChunks;
+        const bool valid = row < valid_rows;
+        const T* src = static_cast<const T*>(p.q_nope);
+        if (valid) {
+          const int r = row0 + row;
+          const int64_t token = q_start + r / num_heads;
+          const int head = r % num_heads;
+          src = c < kValueDim / 8
+                    ? static_cast<const T*>(p.q_nope) + token * p.q_nope_stride_t +
+                          head * p.q_nope_stride_h + c * 8
+                    : static_cast<const T*>(p.q_pe) + token * p.q_pe_stride_t +
+                          head * p.q_pe_stride_h + (c - kValueDim / 8) * 8;
+        }
+        cp_async_16(s.q + qk_offset(row, c), src, valid);
+      }
+    } else if (p.q_vector_ok) {  // fp8 rows: 16 values per load, converted to T
+      for (int idx = tid; idx < kBlockM * (kHeadDim / 16); idx += kThreads) {
+        const int row = idx / (kHeadDim / 16);
+        const int c16 = idx - row * (kHeadDim / 16);
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        if (row < valid_rows) {
+          const int r = row0 + row;
+          const int64_t token = q_start + r / num_heads;
+          const int head = r % num_heads;
+          const uint8_t* src =
+              c16 < kValueDim / 16
+                  ? static_cast<const uint8_t*>(p.q_nope) + token * p.q_nope_stride_t +
+                        head * p.q_nope_stride_h + c16 * 16
+                  : static_cast<const uint8_t*>(p.q_pe) + token * p.q_pe_stride_t +
+                        head * p.q_pe_stride_h + (c16 - kValueDim / 16) * 16;
+          raw = __ldg(reinterpret_cast<const uint4*>(src));
+        }
+        uint4 lo, hi;
+        fp8x16_to<T>(raw, lo, hi);
+        *reinterpret_cast<uint4*>(s.q + qk_offset(row, 2 * c16)) = lo;
+        *reinterpret_cast<uint4*>(s.q + qk_offset(row, 2 * c16 + 1)) = hi;
+      }
+    } else {  // unaligned rows: one element at a time
+      for (int idx = tid; idx < kBlockM * kHeadDim; idx += kThreads) {
+        const int row = idx / kHeadDim;
+        const int d = idx - row * kHeadDim;
+        float v = 0.0f;
+        if (row < valid_rows) {
+          const int r = row0 + row;
+          const int64_t token = q_start + r / num_heads;
+          const int head = r % num_heads;
+          v = d < kValueDim
+                  ? load_scalar<T>(p.q_nope, token * p.q_nope_stride_t + head * p.q_nope_stride_h + d,
+                                   p.q_is_fp8)
+                  : load_scalar<T>(p.q_pe,
+                                   token * p.q_pe_stride_t + head * p.q_pe_stride_h + (d - kValueDim),
+                                   p.q_is_fp8);
+        }
+        s.q[qk_offset(row, d / 8) + (d & 7)] = from_float<T>(v);
+      }
+    }
+  }
+
+  // Element offset of key `key`'s cache row, or -1 when the key is outside [0, kv_end) or its
+  // page id is not a page of the pool (such rows are zero-filled, never read).
+  __device__ __forceinline__ int64_t key_row(int request, int key, int kv_end) const {
+    if (key >= kv_end) return -1;
+    const int block = key >> p.page_shift;
+    const int page = p.block_table[int64_t(request) * p.block_table_stride_b +
+                                   int64_t(block) * p.block_table_stride_j];
+    if (page < 0 || page >= p.num_pages) return -1;
+    const int64_t slot = (int64_t(page) << p.page_shift) | (key & ((1 << p.page_shift) - 1));
+    return slot * kHeadDim;
+  }
+
+  // Keys [key0, key0 + 64) of `request` -> swizzled tile (16-bit cache): 8 threads per row.
+  __device__ void load_k_tile(T* tile, int request, int key0, int kv_end) {
+    const int sub = tid & 7;
+#pragma unroll
+    for (int pass = 0; pass < kBlockN / (kThreads / 8); ++pass) {
+      const int row = (tid >> 3) + pass * (kThreads / 8);
+      const int64_t offset = key_row(request, key0 + row, kv_end);
+      const T* src = static_cast<const T*>(p.kv_cache) + (offset < 0 ? 0 : offset);
+#pragma unroll
+      for (int i = 0; i < Traits::kChunks / 8; ++i) {
+        const int c = sub + 8 * i;
+        cp_async_16(tile + qk_offset(row, c), src + (offset < 0 ? 0 : c * 8), offset >= 0);
+      }
+    }
+  }
+
+  // Keys [key0, key0 + 64) -> raw fp8 staging tile (row-major, unswizzled): 4 threads per row.
+  __device__ void load_k_tile_fp8(uint8_t* raw, int request, int key0, int kv_end) {
+    const int sub = tid & 3;
+    const int row = tid >> 2;  // kThreads / 4 == kBlockN rows
+    const int64_t offset = key_row(request, key0 + row, kv_end);
+    const uint8_t* src = static_cast<const uint8_t*>(p.kv_cache) + (offset < 0 ? 0 : offset);
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 16 / 4; ++i) {
+      const int c = sub + 4 * i;
+      cp_async_16(raw + row * kHeadDim + c * 16, src + (offset < 0 ? 0 : c * 16), offset >= 0);
+    }
+  }
+
+  __device__ void convert_fp8_tile(const uint8_t* raw, T* tile) {
+    for (int idx = tid; idx < kBlockN * (kHeadDim / 16); idx += kThreads) {
+      const int row = idx / (kHeadDim / 16);
+      const int c16 = idx - row * (kHeadDim / 16);
+      const uint4 v = *reinterpret_cast<const uint4*>(raw + row * kHeadDim + c16 * 16);
+      uint4 lo, hi;
+      fp8x16_to<T>(v, lo, hi);
+      *reinterpret_cast<uint4*>(tile + qk_offset(row, 2 * c16)) = lo;
+      *reinterpret_cast<uint4*>(tile + qk_offset(row, 2 * c16 + 1)) = hi;
+    }
+  }
+
+  __device__ void issue_tile(int stage, int request, int key0, int kv_end) {
+    if (p.kv_is_fp8) load_k_tile_fp8(s.kv.fp8.raw[stage], request, key0, kv_end);
+    else load_k_tile(s.kv.k[stage], request, key0, kv_end);
+  }
+
+  // sacc = Q[rows of wm] . K[keys of wn]^T over all 576 dims.
+  __device__ void compute_scores(const T* tile, float (&sacc)[kKeyFrags][4]) const {
+    const int q_row = wm * 16 + (lane & 15);
+    const int key_base = wn * kKeysPerWarp;
+#pragma unroll 4
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, s.q + qk_offset(q_row, 2 * kk + (lane >> 4)));
+      if constexpr (kKeyFrags == 1) {
+        uint32_t b[2];
+        ldmatrix_x2(b, tile + qk_offset(key_base + (lane & 7), 2 * kk + ((lane >> 3) & 1)));
+        mma_m16n8k16<T>(sacc[0], a, b);
+      } else {
+#pragma unroll
+        for (int f = 0; f < kKeyFrags; f += 2) {
+          uint32_t b[4];
+          ldmatrix_x4(b, tile + qk_offset(key_base + f * 8 + (lane & 7) + ((lane >> 4) << 3),
+                                          2 * kk + ((lane >> 3) & 1)));
+          const uint32_t b0[2] = {b[0], b[1]};
+          const uint32_t b1[2] = {b[2], b[3]};
+          mma_m16n8k16<T>(sacc[f], a, b0);
+          mma_m16n8k16<T>(sacc[f + 1], a, b1);
+        }
+      }
+    }
+  }
+
+  // o[rows of wm, columns of wn] += P[rows of wm, 64 keys] . V[64 keys, columns of wn].
+  __device__ void accumulate_pv(const T* tile, int keys_in_tile, float (&o)[kColFrags][4]) const {
+    const int p_row = wm * 16 + (lane & 15);
+    const int col_chunk0 = wn * (kColsPerWarp / 8);
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      if (ks * 16 >= keys_in_tile) break;  // the rest of the tile is past the item's keys
+      uint32_t a[4];
+      ldmatrix_x4(a, s.p + p_offset(p_row, 2 * ks + (lane >> 4)));
+      const int v_row = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+      for (int f = 0; f < kColFrags; f += 2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, tile + qk_offset(v_row, col_chunk0 + f + (lane >> 4)));
+        const uint32_t b0[2] = {b[0], b[1]};
+        const uint32_t b1[2] = {b[2], b[3]};
+        mma_m16n8k16<T>(o[f], a, b0);
+        mma_m16n8k16<T>(o[f + 1], a, b1);
+      }
+    }
+  }
+
+  __device__ void run_item(const WorkItem& item) {
+    const int num_heads = p.layout.num_heads;
+    const RequestGeometry g = request_geometry(p.layout, item.request);
+    const int rows = g.q_len * num_heads;
+    const int row0 = item.row_tile * kBlockM;
+    const int valid_rows = min(kBlockM, rows - row0);
+    if (valid_rows <= 0) return;  // uniform across the CTA
+    const int visible = tile_visible_keys(g, row0 + valid_rows, num_heads);
+    const int kv_end = min(item.kv_end, visible);
+    const int kv_begin = min(item.kv_begin, kv_end);
+    const int num_tiles = (kv_end - kv_begin + kBlockN - 1) / kBlockN;
+
+    // This thread's two rows (accumulator rows lane/4 and lane/4 + 8 of fragment wm) and the
+    // last key each may see (-1: none).
+    int row_local[2], key_limit[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      row_local[j] = wm * 16 + (lane >> 2) + 8 * j;
+      key_limit[j] = row_local[j] < valid_rows
+                         ? g.kv_len - g.q_len + (row0 + row_local[j]) / num_heads
+                         : -1;
+    }
+    const bool rows_live = wm * 16 < valid_rows;
+
+    float row_m[2] = {-INFINITY, -INFINITY};  // running max of the scaled scores (exp2 domain)
+    float row_l[2] = {0.0f, 0.0f};            // this thread's part of the running sum
+    float o[kColFrags][4];
+#pragma unroll
+    for (int f = 0; f < kColFrags; ++f) o[f][0] = o[f][1] = o[f][2] = o[f][3] = 0.0f;
+
+    __syncthreads();  // the previous item is done with shared memory
+    if (num_tiles > 0) {
+      load_q(g.q_start, row0, valid_rows);
+      issue_tile(0, item.request, kv_begin, kv_end);
+      cp_async_commit();
+    }
+
+    for (int t = 0; t < num_tiles; ++t) {
+      const int key0 = kv_begin + t * kBlockN;
+      cp_async_wait<0>();
+      __syncthreads();  // tile t (and Q) visible; every warp is done with tile t - 1
+      if (t + 1 < num_tiles) {
+        issue_tile((t + 1) & 1, item.request, key0 + kBlockN, kv_end);
+        cp_async_commit();
+      }
+      const T* tile;
+      if (p.kv_is_fp8) {
+        convert_fp8_tile(s.kv.fp8.raw[t & 1], s.kv.fp8.k);
+        __syncthreads();
+        tile = s.kv.fp8.k;
+      } else {
+        tile = s.kv.k[t & 1];
+      }
+
+      // S = Q K^T for this warp's rows and key slice.
+      float sacc[kKeyFrags][4];
+#pragma unroll
+      for (int f = 0; f < kKeyFrags; ++f) sacc[f][0] = sacc[f][1] = sacc[f][2] = sacc[f][3] = 0.0f;
+      const int warp_key0 = key0 + wn * kKeysPerWarp;
+      if (rows_live && warp_key0 < kv_end) compute_scores(tile, sacc);
+
+      // Mask and scale; this slice's row maxima.
+      float slice_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int f = 0; f < kKeyFrags; ++f) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = warp_key0 + f * 8 + 2 * (lane & 3) + (e & 1);
+          const int j = e >> 1;
+          const bool seen = key <= key_limit[j] && key < kv_end;
+          sacc[f][e] = seen ? sacc[f][e] * p.score_scale_log2 : -INFINITY;
+          slice_max[j] = fmaxf(slice_max[j], sacc[f][e]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        slice_max[j] = fmaxf(slice_max[j], __shfl_xor_sync(0xffffffffu, slice_max[j], 1));
+        slice_max[j] = fmaxf(slice_max[j], __shfl_xor_sync(0xffffffffu, slice_max[j], 2));
+        if ((lane & 3) == 0) s.row_max[wn][row_local[j]] = slice_max[j];
+      }
+      __syncthreads();  // row maxima of all key slices visible
+
+      // Online softmax update: new max, rescale of the running sum and output.
+      float m_use[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float tile_max = s.row_max[0][row_local[j]];
+#pragma unroll
+        for (int n = 1; n < kWarpsN; ++n) tile_max = fmaxf(tile_max, s.row_max[n][row_local[j]]);
+        const float m_new = fmaxf(row_m[j], tile_max);
+        m_use[j] = m_new == -INFINITY ? 0.0f : m_new;  // no key yet: keep exp2 arguments finite
+        const float alpha = fast_exp2(row_m[j] - m_use[j]);  // exp2(-inf) = 0 for the first keys
+        row_m[j] = m_new;
+        row_l[j] *= alpha;
+#pragma unroll
+        for (int f = 0; f < kColFrags; ++f) {
+          o[f][2 * j] *= alpha;
+          o[f][2 * j + 1] *= alpha;
+        }
+      }
+
+      // P = exp2(S - m), rounded to T, into shared memory; row sums of the rounded values.
+#pragma unroll
+      for (int f = 0; f < kKeyFrags; ++f) {
+        const int key_col = wn * kKeysPerWarp + f * 8 + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint32_t packed = pack2<T>(fast_exp2(sacc[f][2 * j] - m_use[j]),
+                                           fast_exp2(sacc[f][2 * j + 1] - m_use[j]));
+          const float2 rounded = unpack2<T>(packed);
+          row_l[j] += rounded.x + rounded.y;
+          *reinterpret_cast<uint32_t*>(s.p + p_offset(row_local[j], key_col >> 3) + (key_col & 7)) =
+              packed;
+        }
+      }
+      __syncthreads();  // P visible
+
+      if (rows_live) accumulate_pv(tile, kv_end - key0, o);
+    }
+
+    // Row sums across the quad and the key slices.
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      row_l[j] += __shfl_xor_sync(0xffffffffu, row_l[j], 1);
+      row_l[j] += __shfl_xor_sync(0xffffffffu, row_l[j], 2);
+      if ((lane & 3) == 0) s.row_sum[wn][row_local[j]] = row_l[j];
+    }
+    __syncthreads();
+    float inv_l[2], lse[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float total = 0.0f;
+#pragma unroll
+      for (int n = 0; n < kWarpsN; ++n) total += s.row_sum[n][row_local[j]];
+      const bool any = total > 0.0f;  // >= 1 whenever a key was seen (the max contributes 1)
+      inv_l[j] = any ? p.out_scale / total : 0.0f;
+      lse[j] = any ? (row_m[j] + log2f(total)) * 0.69314718055994531f : -INFINITY;
+    }
+
+    if (item.slot < 0) {
+      // The whole unit: final output and LSE.
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (row_local[j] >= valid_rows) continue;
+        const int r = row0 + row_local[j];
+        const int64_t token = g.q_start + r / num_heads;
+        const int head = r % num_heads;
+        void* base = out_row(p, token, head);
+#pragma unroll
+        for (int f = 0; f < kColFrags; ++f) {
+          const int col = wn * kColsPerWarp + f * 8 + 2 * (lane & 3);
+          store_out_pair(p, base, col, o[f][2 * j] * inv_l[j], o[f][2 * j + 1] * inv_l[j]);
+        }
+        if (p.lse != nullptr && wn == 0 && (lane & 3) == 0)
+          p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse[j];
+      }
+    } else {
+      // One piece of a split unit: normalised fp32 partial output and LSE, merged by combine.
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (row_local[j] >= valid_rows) continue;
+        const int64_t slot_row = int64_t(item.slot) * kMaxBlockM + row_local[j];
+        float* base = p.schedule.partial_out + slot_row * kValueDim;
+#pragma unroll
+        for (int f = 0; f < kColFrags; ++f) {
+          const int col = wn * kColsPerWarp + f * 8 + 2 * (lane & 3);
+          *reinterpret_cast<float2*>(base + col) =
+              make_float2(o[f][2 * j] * inv_l[j], o[f][2 * j + 1] * inv_l[j]);
+        }
+        if (wn == 0 && (lane & 3) == 0) p.schedule.partial_lse[slot_row] = lse[j];
+      }
+    }
+  }
+};
+
+template <typename T, int kRowTiles>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ DecodeParams p) {
+  using Cta = DecodeCta<T, kRowTiles>;
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  Cta cta(p, *reinterpret_cast<typename Cta::Smem*>(smem_bytes));
+  if (p.has_schedule) {
+    const ScheduleHeader& header = *p.schedule.header;
+    // A plan for another batch shape would send this CTA past its work list: stop instead.
+    if (header.magic != kScheduleMagic || header.block_m != Cta::kBlockM ||
+        header.batch_size != p.layout.batch_size || header.num_heads != p.layout.num_heads ||
+        header.num_parts != int(gridDim.x)) {
+      __trap();
+    }
+    const int begin = p.schedule.part_begin[blockIdx.x];
+    const int end = p.schedule.part_begin[blockIdx.x + 1];
+    for (int i = begin; i < end; ++i) cta.run_item(p.schedule.items[i]);
+  } else {
+    WorkItem item{};
+    item.request = int(blockIdx.x) / p.tiles_per_request;
+    item.row_tile = int(blockIdx.x) % p.tiles_per_request;
+    item.kv_begin = 0;
+    item.kv_end = INT_MAX;
+    item.slot = -1;
+    cta.run_item(item);
+  }
+}
+
+// Host launcher (instantiated in decode_bf16.cu / decode_fp16.cu).
+template <typename T, int kRowTiles>
+void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream) {
+  using Traits = DecodeTraits<T, kRowTiles>;
+  const DeviceInfo& info = current_device_info();
+  MLA_CHECK(Traits::kSmemBytes <= info.max_smem_per_block_optin, "mla_decode: the decode kernel for ",
+            Traits::kBlockM, "-row tiles needs ", Traits::kSmemBytes,
+            " bytes of shared memory per block, but device ", info.device, " allows ",
+            info.max_smem_per_block_optin);
+  auto kernel = mla_decode_kernel<T, kRowTiles>;
+  MLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(Traits::kSmemBytes)));
+  kernel<<<grid, kThreads, Traits::kSmemBytes, stream>>>(params);
+  MLA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mla::cuda::decode

@@ -1,0 +1,181 @@
+// Plain data shared by the decode kernels (plan, main, combine) and their host launchers.
+//
+// Vocabulary:
+//   row        one (query token, head) pair of a request; request b has rows r = i * H + h for
+//              its local query i in [0, q_len_b) and head h in [0, H)
+//   row tile   kBlockM consecutive rows of one request (kBlockM = 16, 32 or 64 by launch class)
+//   key block  kBlockN = 64 consecutive keys of a request (the unit of split-KV work)
+//   unit       one (request, row tile): all its visible keys, possibly split into pieces
+//   item       one piece of a unit that one CTA runs: (request, row tile, key range, slot)
+//   slot       workspace storage of one piece's partial output when its unit is split
+#pragma once
+
+#include <cstdint>
+
+namespace mla::cuda::decode {
+
+constexpr int kHeadDim = 576;   // latent cache entry: kv_lora_rank 512 + rope 64
+constexpr int kValueDim = 512;  // value / output width
+constexpr int kBlockN = 64;     // keys per shared-memory tile and per schedule block
+constexpr int kThreads = 256;   // 8 warps per CTA
+constexpr int kMaxBlockM = 64;  // the largest row tile; partial slots are sized for it
+
+// Scheduling cost model, in key blocks: each item also pays a fixed cost (query load, output
+// write) worth kOverheadBlocks blocks, and no CTA is given less than kMinBlocksPerPart blocks
+// (splitting finer costs more in combine traffic than it gains in parallelism).
+constexpr int kOverheadBlocks = 2;
+constexpr int kMinBlocksPerPart = 4;
+
+constexpr int kScheduleMagic = 0x4d4c4144;  // "MLAD": the header was written by plan_decode
+
+struct ScheduleHeader {
+  int magic;            // kScheduleMagic
+  int num_items;        // items written
+  int num_split_units;  // units to combine
+  int block_m;          // rows per tile the plan used
+  int batch_size;       // B the plan used
+  int num_heads;        // H the plan used
+  int num_parts;        // CTAs the plan divided work among
+  int pad;
+};
+
+struct WorkItem {
+  int request;   // b
+  int row_tile;  // rows [row_tile * block_m, ...) of request b
+  int kv_begin;  // keys [kv_begin, kv_end) of request b (kv_begin a multiple of kBlockN)
+  int kv_end;
+  int slot;      // partial-result slot, or -1: the item covers its whole unit, write the output
+  int part;      // the CTA that runs it
+  int pad0, pad1;
+};
+
+struct SplitUnit {
+  int request;     // b
+  int row_tile;    // row tile of request b
+  int slot_begin;  // slots [slot_begin, slot_begin + num_pieces) hold its pieces, in key order
+  int num_pieces;  // >= 2
+};
+
+// Device pointers into a planned workspace (all null when running without a schedule).
+struct ScheduleView {
+  const ScheduleHeader* header;
+  const WorkItem* items;           // [max_items]
+  const int* part_begin;           // [num_parts + 1]
+  const SplitUnit* split_units;    // [max_split_units]
+  float* partial_lse;              // [max_slots, kMaxBlockM] natural-log LSE of each piece's rows
+  float* partial_out;              // [max_slots, kMaxBlockM, 512] normalised output of each piece
+  int num_parts;
+};
+
+// The batch layout, read on the device by the plan and by the decode kernels alike, so that both
+// see the same request geometry (request_geometry() below).
+struct BatchLayout {
+  const int32_t* kv_lens;     // [B], element stride kv_lens_stride
+  int64_t kv_lens_stride;
+  const int32_t* cu_q_lens;   // [B + 1] or null (fixed q_len)
+  int64_t cu_q_lens_stride;
+  int q_len;                  // queries per request without cu_q_lens
+  int max_q_len;              // clamp on a request's queries
+  int num_tokens;             // T; query rows past it are never touched (-1: unknown, plan only)
+  int max_kv_len;             // clamp on kv_lens (max_blocks * page size; INT32_MAX in the plan)
+  int batch_size;             // B
+  int num_heads;              // H
+};
+
+struct RequestGeometry {
+  int q_start;  // first query token of the request
+  int q_len;    // its queries
+  int kv_len;   // its keys
+};
+
+// Out-of-range metadata is clamped instead of read past: negative lengths count as 0, a request
+// never has more than max_q_len queries or more than max_kv_len keys, and never reaches past
+// token T.
+__host__ __device__ inline RequestGeometry request_geometry(const BatchLayout& layout, int b) {
+  RequestGeometry g;
+  if (layout.cu_q_lens != nullptr) {
+    const int begin = layout.cu_q_lens[int64_t(b) * layout.cu_q_lens_stride];
+    const int end = layout.cu_q_lens[int64_t(b + 1) * layout.cu_q_lens_stride];
+    g.q_start = begin < 0 ? 0 : begin;
+    g.q_len = end - g.q_start;
+  } else {
+    g.q_start = b * layout.q_len;
+    g.q_len = layout.q_len;
+  }
+  if (g.q_len < 0) g.q_len = 0;
+  if (g.q_len > layout.max_q_len) g.q_len = layout.max_q_len;
+  if (layout.num_tokens >= 0) {
+    if (g.q_start > layout.num_tokens) g.q_start = layout.num_tokens;
+    if (g.q_len > layout.num_tokens - g.q_start) g.q_len = layout.num_tokens - g.q_start;
+  }
+  int kv_len = layout.kv_lens[int64_t(b) * layout.kv_lens_stride];
+  if (kv_len < 0) kv_len = 0;
+  if (kv_len > layout.max_kv_len) kv_len = layout.max_kv_len;
+  g.kv_len = kv_len;
+  return g;
+}
+
+// Keys visible to any row of a row tile whose last row is row_end - 1 (row_end >= 1): the causal
+// limit of its last query, kv_len - q_len + i_last + 1, clamped to [0, kv_len].
+__host__ __device__ inline int tile_visible_keys(const RequestGeometry& g, int row_end,
+                                                 int num_heads) {
+  const int i_last = (row_end - 1) / num_heads;
+  int visible = g.kv_len - g.q_len + i_last + 1;
+  if (visible < 0) visible = 0;
+  if (visible > g.kv_len) visible = g.kv_len;
+  return visible;
+}
+
+// Everything the main and combine kernels read. Strides are in elements.
+struct DecodeParams {
+  // Queries: dims [0, 512) from q_nope, [512, 576) from q_pe (for a single 576-wide q tensor,
+  // q_pe = q + 512 with the same strides).
+  const void* q_nope;
+  const void* q_pe;
+  int64_t q_nope_stride_t, q_nope_stride_h;
+  int64_t q_pe_stride_t, q_pe_stride_h;
+  int q_is_fp8;       // queries are fp8 e4m3 (else the compute dtype)
+  int q_vector_ok;    // 16-byte aligned rows: vector loads; else element loads
+
+  // Paged latent cache [P, S, 576], contiguous.
+  const void* kv_cache;
+  int64_t num_pages;   // P
+  int page_shift;      // log2(S)
+  int kv_is_fp8;       // fp8 e4m3 cache (else the compute dtype)
+  const int32_t* block_table;  // [B, max_blocks]
+  int64_t block_table_stride_b, block_table_stride_j;
+
+  BatchLayout layout;
+
+  float score_scale_log2;  // softmax_scale * q_scale * k_scale * log2(e): exp2 domain
+  float out_scale;         // k_scale for an fp8 cache, else 1
+
+  // Output [T, H, 512] and LSE [T, H] (optional).
+  void* out;
+  int64_t out_stride_t, out_stride_h;
+  int out_dtype;      // OutDType
+  int out_pair_ok;    // pairs of elements are naturally aligned: 2-element vector stores
+  float* lse;
+  int64_t lse_stride_t, lse_stride_h;
+
+  // Without a schedule: one CTA per (request, row tile), tiles_per_request tiles each.
+  int tiles_per_request;
+  int has_schedule;
+  ScheduleView schedule;
+};
+
+enum OutDType : int { kOutBF16 = 0, kOutFP16 = 1, kOutFP32 = 2 };
+
+// Parameters of the plan kernel.
+struct PlanParams {
+  BatchLayout layout;
+  int block_m;           // rows per tile
+  int num_parts;         // CTAs of the decode kernel
+  int max_items, max_split_units, max_slots;
+  ScheduleHeader* header;
+  WorkItem* items;
+  int* part_begin;
+  SplitUnit* split_units;
+};
+
+}  // namespace mla::cuda::decode

@@ -1,0 +1,344 @@
+// plan_decode: the split-KV schedule of mla_decode, computed on the GPU (no host sync, so it can
+// be captured in a CUDA graph and replayed with new kv_lens).
+//
+// Cost model. Each unit (request, row tile) costs its key blocks (64 keys each, only the keys
+// its rows may see under the causal rule) plus kOverheadBlocks for loading the queries and
+// writing the output. Units are laid end to end on one cost line, in request order; the line is
+// cut into num_parts equal segments of `payload` (at least kMinBlocksPerPart), one per decode
+// CTA. A unit whose key blocks straddle cuts is split into pieces, one per segment it touches
+// (work items); each piece writes a partial result into its own slot and the combine kernel
+// merges them. So every CTA gets about the same number of key blocks whether the batch is one
+// 32k-token request or 256 short ones.
+//
+// Capacity (why the workspace sizes are bounds): units <= max_batch * ceil(max_q_len * H / 16);
+// each of the num_parts - 1 cuts adds at most one item, so items <= units + num_parts; split
+// units <= num_parts - 1; slots = pieces of split units <= 2 (num_parts - 1).
+//
+// The kernel is one CTA of 1024 threads: each thread owns a contiguous range of requests; three
+// passes over them (cost, counts, writes) are joined by block-wide exclusive scans.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/decode/decode_launch.hpp"
+#include "mla/ops.hpp"
+#include "mla/schedule.hpp"
+
+namespace mla::cuda::decode {
+namespace {
+
+constexpr int kPlanThreads = 1024;
+
+// Exclusive scan of one value per thread across the CTA; `total` gets the sum of all values.
+template <typename V>
+__device__ V block_exclusive_scan(V value, V* warp_sums /* [33] */, V& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  V inclusive = value;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const V up = __shfl_up_sync(0xffffffffu, inclusive, off);
+    if (lane >= off) inclusive += up;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const V w = lane < kPlanThreads / 32 ? warp_sums[lane] : V(0);
+    V w_inclusive = w;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const V up = __shfl_up_sync(0xffffffffu, w_inclusive, off);
+      if (lane >= off) w_inclusive += up;
+    }
+    warp_sums[lane] = w_inclusive - w;
+    if (lane == 31) warp_sums[32] = w_inclusive;
+  }
+  __syncthreads();
+  const V result = warp_sums[warp] + inclusive - value;
+  total = warp_sums[32];
+  __syncthreads();  // warp_sums may be reused by the next scan
+  return result;
+}
+
+struct UnitCost {
+  int blocks;  // key blocks of the unit
+  int kv_end;  // keys its rows may see
+};
+
+__device__ __forceinline__ UnitCost unit_cost(const RequestGeometry& g, int tile, int block_m,
+                                              int num_heads) {
+  const int rows = g.q_len * num_heads;
+  const int row_end = min(rows, (tile + 1) * block_m);
+  const int visible = tile_visible_keys(g, row_end, num_heads);
+  return {(visible + kBlockN - 1) / kBlockN, visible};
+}
+
+__global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_constant__ PlanParams pp) {
+  __shared__ long long scan64[33];
+  __shared__ int scan32[33];
+  const int tid = threadIdx.x;
+  const int batch = pp.layout.batch_size;
+  const int num_heads = pp.layout.num_heads;
+  const int block_m = pp.block_m;
+  const int parts = pp.num_parts;
+  const int per_thread = (batch + kPlanThreads - 1) / kPlanThreads;
+  const int b_begin = min(batch, tid * per_thread);
+  const int b_end = min(batch, b_begin + per_thread);
+
+  // Pass 1: cost of this thread's units.
+  long long my_cost = 0;
+  for (int b = b_begin; b < b_end; ++b) {
+    const RequestGeometry g = request_geometry(pp.layout, b);
+    const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
+    for (int t = 0; t < tiles; ++t) my_cost += unit_cost(g, t, block_m, num_heads).blocks + kOverheadBlocks;
+  }
+  long long total_cost = 0;
+  const long long cost_base = block_exclusive_scan(my_cost, scan64, total_cost);
+  long long payload = (total_cost + parts - 1) / parts;
+  if (payload < kMinBlocksPerPart) payload = kMinBlocksPerPart;
+  auto part_of = [&](long long position) {
+    const long long q = position / payload;
+    return q < parts - 1 ? int(q) : parts - 1;
+  };
+
+  // Pass 2: items, split units and slots of this thread's units.
+  int my_items = 0, my_splits = 0, my_slots = 0;
+  {
+    long long pos = cost_base;
+    for (int b = b_begin; b < b_end; ++b) {
+      const RequestGeometry g = request_geometry(pp.layout, b);
+      const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
+      for (int t = 0; t < tiles; ++t) {
+        const int nb = unit_cost(g, t, block_m, num_heads).blocks;
+        const long long first = pos + kOverheadBlocks;  // cost position of block 0
+        const int pieces = nb == 0 ? 1 : part_of(first + nb - 1) - part_of(first) + 1;
+        my_items += pieces;
+        if (pieces > 1) {
+          my_splits += 1;
+          my_slots += pieces;
+        }
+        pos += nb + kOverheadBlocks;
+      }
+    }
+  }
+  int num_items = 0, num_splits = 0, num_slots = 0;
+  const int item_base = block_exclusive_scan(my_items, scan32, num_items);
+  const int split_base = block_exclusive_scan(my_splits, scan32, num_splits);
+  const int slot_base = block_exclusive_scan(my_slots, scan32, num_slots);
+
+  // Pass 3: write the items and split units.
+  {
+    long long pos = cost_base;
+    int item = item_base, split = split_base, slot = slot_base;
+    for (int b = b_begin; b < b_end; ++b) {
+      const RequestGeometry g = request_geometry(pp.layout, b);
+      const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
+      for (int t = 0; t < tiles; ++t) {
+        const UnitCost c = unit_cost(g, t, block_m, num_heads);
+        const long long first = pos + kOverheadBlocks;
+        if (c.blocks == 0) {
+          if (item < pp.max_items) pp.items[item] = WorkItem{b, t, 0, 0, -1, part_of(pos), 0, 0};
+          ++item;
+        } else {
+          const int part_first = part_of(first), part_last = part_of(first + c.blocks - 1);
+          const int pieces = part_last - part_first + 1;
+          for (int q = part_first; q <= part_last; ++q) {
+            const long long lo = q == part_first ? 0 : q * payload - first;
+            const long long hi = q == part_last ? c.blocks : (q + 1) * payload - first;
+            WorkItem w{};
+            w.request = b;
+            w.row_tile = t;
+            w.kv_begin = int(lo) * kBlockN;
+            w.kv_end = min(int(hi) * kBlockN, c.kv_end);
+            w.slot = pieces > 1 ? slot + (q - part_first) : -1;
+            w.part = q;
+            if (item < pp.max_items) pp.items[item] = w;
+            ++item;
+          }
+          if (pieces > 1) {
+            if (split < pp.max_split_units) pp.split_units[split] = SplitUnit{b, t, slot, pieces};
+            ++split;
+            slot += pieces;
+          }
+        }
+        pos += c.blocks + kOverheadBlocks;
+      }
+    }
+  }
+  __syncthreads();  // items visible to the whole CTA
+
+  // CTA p runs items [part_begin[p], part_begin[p + 1]): the first item of part >= p.
+  const int stored_items = min(num_items, pp.max_items);
+  for (int q = tid; q <= parts; q += kPlanThreads) {
+    int lo = 0, hi = stored_items;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (pp.items[mid].part < q) lo = mid + 1;
+      else hi = mid;
+    }
+    pp.part_begin[q] = q == parts ? stored_items : lo;
+  }
+  if (tid == 0) {
+    ScheduleHeader h{};
+    h.magic = kScheduleMagic;
+    h.num_items = stored_items;
+    h.num_split_units = min(num_splits, pp.max_split_units);
+    h.block_m = block_m;
+    h.batch_size = batch;
+    h.num_heads = num_heads;
+    h.num_parts = parts;
+    // A plan that does not fit its workspace (impossible by the capacity bounds above) is
+    // marked so that the decode kernel traps instead of producing wrong results.
+    if (num_items > pp.max_items || num_splits > pp.max_split_units || num_slots > pp.max_slots)
+      h.magic = 0;
+    *pp.header = h;
+  }
+}
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// The schedule's capacity and array offsets (no workspace pointer yet).
+DecodeSchedule layout_schedule(const char* op, int max_batch, int max_q_len, int num_heads,
+                               int num_parts) {
+  MLA_CHECK(max_batch >= 1, op, ": max_batch must be >= 1, got ", max_batch);
+  MLA_CHECK(max_q_len >= 1, op, ": max_q_len must be >= 1, got ", max_q_len);
+  MLA_CHECK(num_heads >= 1 && num_heads <= kMaxHeads, op, ": num_heads must be in [1, ", kMaxHeads,
+            "], got ", num_heads);
+  MLA_CHECK(num_parts >= 0, op, ": num_parts must be >= 0 (0 = the SM count), got ", num_parts);
+  if (num_parts == 0) num_parts = current_device_info().sm_count;
+  const int64_t tiles_per_request = (int64_t(max_q_len) * num_heads + 15) / 16;
+  const int64_t max_units = int64_t(max_batch) * tiles_per_request;
+  MLA_CHECK(max_units + num_parts <= INT_MAX / 64, op, ": capacity too large: max_batch ", max_batch,
+            " x max_q_len ", max_q_len, " x num_heads ", num_heads, " gives ", max_units,
+            " row tiles");
+  DecodeSchedule s;
+  s.max_batch = max_batch;
+  s.max_q_len = max_q_len;
+  s.num_heads = num_heads;
+  s.num_parts = num_parts;
+  s.max_items = int(max_units) + num_parts;
+  s.max_split_units = num_parts;
+  s.max_slots = 2 * num_parts;
+  size_t offset = 0;
+  s.header_offset = offset;
+  offset = align_up(offset + sizeof(ScheduleHeader), 256);
+  s.items_offset = offset;
+  offset = align_up(offset + sizeof(WorkItem) * size_t(s.max_items), 256);
+  s.part_begin_offset = offset;
+  offset = align_up(offset + sizeof(int) * size_t(num_parts + 1), 256);
+  s.split_units_offset = offset;
+  offset = align_up(offset + sizeof(SplitUnit) * size_t(s.max_split_units), 256);
+  s.partial_lse_offset = offset;
+  offset = align_up(offset + sizeof(float) * size_t(s.max_slots) * kMaxBlockM, 256);
+  s.partial_out_offset = offset;
+  offset = align_up(offset + sizeof(float) * size_t(s.max_slots) * kMaxBlockM * kValueDim, 256);
+  s.workspace_bytes = offset;
+  return s;
+}
+
+}  // namespace
+
+void launch_plan_kernel(const PlanParams& params, cudaStream_t stream) {
+  plan_decode_kernel<<<1, kPlanThreads, 0, stream>>>(params);
+  MLA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mla::cuda::decode
+
+namespace mla {
+
+size_t decode_workspace_bytes(int max_batch, int max_q_len, int num_heads, int num_parts) {
+  return cuda::decode::layout_schedule("decode_workspace_bytes", max_batch, max_q_len, num_heads,
+                                       num_parts)
+      .workspace_bytes;
+}
+
+DecodeSchedule make_decode_schedule(void* workspace, size_t bytes, int max_batch, int max_q_len,
+                                    int num_heads, int num_parts) {
+  constexpr const char* op = "make_decode_schedule";
+  DecodeSchedule s = cuda::decode::layout_schedule(op, max_batch, max_q_len, num_heads, num_parts);
+  MLA_CHECK(workspace != nullptr, op, ": workspace is null");
+  MLA_CHECK(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, op,
+            ": workspace must be 256-byte aligned (as cudaMalloc returns), got address ", workspace);
+  MLA_CHECK(bytes >= s.workspace_bytes, op, ": workspace of ", bytes, " bytes is too small; ",
+            s.workspace_bytes, " bytes are needed for max_batch ", max_batch, ", max_q_len ",
+            max_q_len, ", num_heads ", num_heads, ", ", s.num_parts,
+            " parts (see decode_workspace_bytes)");
+  cudaPointerAttributes attr{};
+  MLA_CUDA_CHECK(cudaPointerGetAttributes(&attr, workspace));
+  MLA_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, op,
+            ": workspace must be CUDA device memory (cudaMalloc), got ",
+            attr.type == cudaMemoryTypeHost ? "pinned host memory" : "host memory");
+  int current = 0;
+  MLA_CUDA_CHECK(cudaGetDevice(&current));
+  MLA_CHECK(attr.device == current, op, ": workspace is on cuda:", attr.device,
+            " but the current device is cuda:", current);
+  s.workspace = workspace;
+  s.workspace_bytes = bytes;
+  s.device = attr.device;
+  return s;
+}
+
+void plan_decode(const DecodeSchedule& schedule, const TensorView& kv_lens,
+                 const TensorView& cu_q_lens, int q_len, int max_q_len, Stream stream) {
+  using namespace cuda::decode;
+  constexpr const char* op = "plan_decode";
+  MLA_CHECK(schedule.workspace != nullptr, op,
+            ": schedule has no workspace (create it with make_decode_schedule)");
+  check::not_empty(op, "kv_lens", kv_lens);
+  check::ndim(op, "kv_lens", kv_lens, 1);
+  check::dtype(op, "kv_lens", kv_lens, DType::kInt32);
+  MLA_CHECK(kv_lens.device.type == DeviceType::kCUDA, op, ": kv_lens is on ",
+            device_name(kv_lens.device),
+            " but the decode schedule is planned on the GPU: kv_lens must be a CUDA tensor");
+  MLA_CHECK(kv_lens.device.index == schedule.device, op, ": kv_lens is on ",
+            device_name(kv_lens.device), " but the schedule's workspace is on cuda:", schedule.device);
+  const int64_t batch = kv_lens.shape[0];
+  MLA_CHECK(batch <= schedule.max_batch, op, ": kv_lens has ", batch,
+            " requests but the schedule holds at most max_batch = ", schedule.max_batch);
+  BatchLayout layout{};
+  layout.kv_lens = static_cast<const int32_t*>(kv_lens.data);
+  layout.kv_lens_stride = kv_lens.stride[0];
+  if (!cu_q_lens.empty()) {
+    check::ndim(op, "cu_q_lens", cu_q_lens, 1);
+    check::dtype(op, "cu_q_lens", cu_q_lens, DType::kInt32);
+    check::dim(op, "cu_q_lens", cu_q_lens, 0, batch + 1, "B + 1, with B = kv_lens.shape[0]");
+    MLA_CHECK(cu_q_lens.device == kv_lens.device, op, ": cu_q_lens is on ",
+              device_name(cu_q_lens.device), " but kv_lens is on ", device_name(kv_lens.device));
+    MLA_CHECK(max_q_len >= 1 && max_q_len <= schedule.max_q_len, op, ": max_q_len must be in [1, ",
+              schedule.max_q_len, "] (the schedule's max_q_len) with cu_q_lens, got ", max_q_len);
+    layout.cu_q_lens = static_cast<const int32_t*>(cu_q_lens.data);
+    layout.cu_q_lens_stride = cu_q_lens.stride[0];
+    layout.max_q_len = max_q_len;
+  } else {
+    MLA_CHECK(q_len >= 1 && q_len <= schedule.max_q_len, op, ": q_len must be in [1, ",
+              schedule.max_q_len, "] (the schedule's max_q_len) without cu_q_lens, got ", q_len);
+    layout.q_len = q_len;
+    layout.max_q_len = q_len;
+  }
+  layout.num_tokens = -1;
+  layout.max_kv_len = INT_MAX;
+  layout.batch_size = int(batch);
+  layout.num_heads = schedule.num_heads;
+  int current = 0;
+  MLA_CUDA_CHECK(cudaGetDevice(&current));
+  MLA_CHECK(current == schedule.device, op, ": the schedule's workspace is on cuda:",
+            schedule.device, " but the current device is cuda:", current);
+
+  PlanParams pp{};
+  pp.layout = layout;
+  pp.block_m = block_m_for_rows(int64_t(layout.max_q_len) * schedule.num_heads);
+  pp.num_parts = schedule.num_parts;
+  pp.max_items = schedule.max_items;
+  pp.max_split_units = schedule.max_split_units;
+  pp.max_slots = schedule.max_slots;
+  char* ws = static_cast<char*>(schedule.workspace);
+  pp.header = reinterpret_cast<ScheduleHeader*>(ws + schedule.header_offset);
+  pp.items = reinterpret_cast<WorkItem*>(ws + schedule.items_offset);
+  pp.part_begin = reinterpret_cast<int*>(ws + schedule.part_begin_offset);
+  pp.split_units = reinterpret_cast<SplitUnit*>(ws + schedule.split_units_offset);
+  launch_plan_kernel(pp, cuda::to_cuda(stream));
+}
+
+}  // namespace mla
