@@ -1,0 +1,928 @@
+// mla::Backend: planning per batch (eager and CUDA-graph fixed buffers) and the attention calls
+// per layer, over the public ops and the memory layer.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include "backend/backend_impl.hpp"
+#include "mla/error.hpp"
+#include "mla/ops.hpp"
+
+namespace mla {
+namespace detail {
+
+int32_t* reserve_int32(Buffer& buffer, int64_t count, Device device, Stream stream) {
+  const size_t bytes = size_t(std::max<int64_t>(count, 1)) * sizeof(int32_t);
+  if (buffer.size() < bytes || buffer.device() != device) {
+    // Grow geometrically so that a slowly growing batch does not reallocate every step.
+    const size_t grown = buffer.device() == device ? buffer.size() + buffer.size() / 2 : 0;
+    buffer.reset();
+    buffer = Buffer(std::max(bytes, grown), device, stream);
+  }
+  return static_cast<int32_t*>(buffer.data());
+}
+
+TensorView int32_view(int32_t* data, std::initializer_list<int64_t> shape, Device device) {
+  return TensorView::contiguous(data, DType::kInt32, shape, device);
+}
+
+TensorView first_rows(const TensorView& t, int64_t rows) {
+  TensorView view = t;
+  view.shape[0] = rows;
+  return view;
+}
+
+TensorView row_range(const TensorView& t, int64_t begin, int64_t rows) {
+  TensorView view = first_rows(t, rows);
+  view.data = static_cast<char*>(t.data) + begin * t.stride[0] * int64_t(dtype_size(t.dtype));
+  return view;
+}
+
+void check_index_vector(const char* op, const char* name, const TensorView& t, int64_t min_len,
+                        Device device) {
+  check::ndim(op, name, t, 1);
+  check::dtype_in(op, name, t, {DType::kInt32, DType::kInt64});
+  MLA_CHECK(t.shape[0] >= min_len, op, ": ", name, " has ", t.shape[0],
+            " entries but the batch needs ", min_len, " (", t.describe(), ")");
+  check::same_device(op, name, t, device);
+  check::inner_contiguous(op, name, t);
+}
+
+void check_host_lengths(const char* op, const char* name, std::span<const int32_t> values,
+                        int64_t len) {
+  MLA_CHECK(int64_t(values.size()) == len, op, ": ", name, " must have batch_size = ", len,
+            " entries, got ", values.size());
+}
+
+size_t ScratchArena::aligned_bytes(DType dtype, std::initializer_list<int64_t> shape) {
+  int64_t count = 1;
+  for (int64_t s : shape) count *= s;
+  const size_t bytes = size_t(count) * dtype_size(dtype);
+  return (bytes + Buffer::kAlignment - 1) / Buffer::kAlignment * Buffer::kAlignment;
+}
+
+TensorView ScratchArena::take(const char* what, DType dtype, std::initializer_list<int64_t> shape) {
+  const size_t bytes = aligned_bytes(dtype, shape);
+  MLA_CHECK(used_ + bytes <= workspace_.size_bytes(), op_, ": the workspace (",
+            workspace_.size_bytes(), " bytes) is too small: ", what, " needs ", bytes,
+            " more bytes with ", used_,
+            " in use; give the Backend a larger Workspace (BackendConfig::workspace_bytes)");
+  TensorView view = TensorView::contiguous(static_cast<char*>(workspace_.data()) + used_, dtype,
+                                           shape, workspace_.device());
+  used_ += bytes;
+  return view;
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// Workspace
+
+Workspace::Workspace(size_t size_bytes, Device device, Stream stream)
+    : buffer_(std::make_unique<detail::Buffer>(size_bytes, device, stream)) {}
+Workspace::~Workspace() = default;
+void* Workspace::data() const { return buffer_->data(); }
+size_t Workspace::size_bytes() const { return buffer_->size(); }
+Device Workspace::device() const { return buffer_->device(); }
+
+// ---------------------------------------------------------------------------------------------
+// Backend::Impl: configuration and planning
+
+namespace {
+
+constexpr const char* kPlanOp = "init_forward_metadata";
+
+bool finite_positive(float x) { return std::isfinite(x) && x > 0; }
+
+// [T, H, 576] -> its first 512 (q_nope) or last 64 (q_pe) values per head, as views.
+TensorView last_dim_slice(const TensorView& t, int64_t begin, int64_t width) {
+  TensorView view = t;
+  view.shape[t.ndim - 1] = width;
+  view.data = static_cast<char*>(t.data) + begin * int64_t(dtype_size(t.dtype));
+  return view;
+}
+
+}  // namespace
+
+void Backend::Impl::validate_config() {
+  constexpr const char* op = "Backend";
+  const BackendConfig& c = config;
+  MLA_CHECK(c.num_q_heads >= 1 && c.num_q_heads <= kMaxHeads, op,
+            ": config.num_q_heads must be in 1..", kMaxHeads, ", got ", c.num_q_heads);
+  MLA_CHECK(c.page_size >= 1 && c.page_size <= kMaxPageSize && (c.page_size & (c.page_size - 1)) == 0,
+            op, ": config.page_size must be a power of two in 1..", kMaxPageSize, ", got ",
+            c.page_size);
+  const auto in = [](DType d, std::initializer_list<DType> allowed) {
+    return std::find(allowed.begin(), allowed.end(), d) != allowed.end();
+  };
+  MLA_CHECK(in(c.kv_cache_dtype, {DType::kBF16, DType::kFP16, DType::kFP8E4M3}), op,
+            ": config.kv_cache_dtype must be bf16/fp16/fp8e4m3, got ", dtype_name(c.kv_cache_dtype));
+  MLA_CHECK(in(c.q_dtype, {DType::kBF16, DType::kFP16, DType::kFP8E4M3}), op,
+            ": config.q_dtype must be bf16/fp16/fp8e4m3, got ", dtype_name(c.q_dtype));
+  if (c.kv_cache_dtype == DType::kFP8E4M3) {
+    // Any query dtype works with an fp8 cache.
+  } else {
+    MLA_CHECK(c.q_dtype == c.kv_cache_dtype, op, ": config.q_dtype must equal the ",
+              dtype_name(c.kv_cache_dtype), " kv_cache_dtype (only an fp8 cache takes other "
+              "queries), got ", dtype_name(c.q_dtype));
+  }
+  MLA_CHECK(in(c.out_dtype, {DType::kBF16, DType::kFP16, DType::kFP32}), op,
+            ": config.out_dtype must be bf16/fp16/fp32, got ", dtype_name(c.out_dtype));
+  check::ndim(op, "config.req_to_token", c.req_to_token, 2);
+  check::dtype(op, "config.req_to_token", c.req_to_token, DType::kInt32);
+  check::inner_contiguous(op, "config.req_to_token", c.req_to_token);
+  check::same_device(op, "config.req_to_token", c.req_to_token, c.device);
+  max_context_len = c.max_context_len == 0 ? c.req_to_token.shape[1] : c.max_context_len;
+  MLA_CHECK(max_context_len >= 1 && max_context_len <= c.req_to_token.shape[1], op,
+            ": config.max_context_len must be in 1..req_to_token.shape[1] = ",
+            c.req_to_token.shape[1], " (0 = that), got ", c.max_context_len);
+  MLA_CHECK(max_context_len <= INT32_MAX, op, ": config.max_context_len must fit in int32, got ",
+            max_context_len);
+  MLA_CHECK(c.prefix_chunk_capacity >= 1, op, ": config.prefix_chunk_capacity must be >= 1, got ",
+            c.prefix_chunk_capacity);
+  MLA_CHECK(c.num_draft_tokens >= 0, op, ": config.num_draft_tokens must be >= 0, got ",
+            c.num_draft_tokens);
+  MLA_CHECK(c.absorbed_max_extend_len >= 0, op,
+            ": config.absorbed_max_extend_len must be >= 0, got ", c.absorbed_max_extend_len);
+}
+
+int Backend::Impl::fixed_q_len(const char* op, ForwardMode mode, int batch_num_draft_tokens) const {
+  if (mode == ForwardMode::kDecode) return 1;
+  MLA_CHECK(batch_num_draft_tokens >= 0, op, ": batch.num_draft_tokens must be >= 0, got ",
+            batch_num_draft_tokens);
+  const int k = batch_num_draft_tokens > 0 ? batch_num_draft_tokens : config.num_draft_tokens;
+  MLA_CHECK(k >= 1, op, ": ", forward_mode_name(mode),
+            " needs num_draft_tokens >= 1 (batch.num_draft_tokens or "
+            "BackendConfig::num_draft_tokens), got ", k);
+  return k;
+}
+
+void Backend::Impl::plan_batch(const ForwardBatch& batch, Stream stream) {
+  MLA_CHECK(batch.batch_size >= 0, kPlanOp, ": batch.batch_size must be >= 0, got ",
+            batch.batch_size);
+  planned = false;
+  switch (batch.mode) {
+    case ForwardMode::kIdle:
+      plan = Plan{};
+      plan.mode = ForwardMode::kIdle;
+      break;
+    case ForwardMode::kExtend:
+      plan_extend(batch, stream);
+      break;
+    case ForwardMode::kDecode:
+    case ForwardMode::kTargetVerify:
+    case ForwardMode::kDraftExtend:
+      plan_decode_family(batch, stream);
+      break;
+    default:
+      MLA_FAIL(kPlanOp, ": batch.mode has an unknown value ", int(batch.mode));
+  }
+  planned = true;
+}
+
+void Backend::Impl::plan_decode_family(const ForwardBatch& batch, Stream stream) {
+  const char* op = kPlanOp;
+  const int batch_size = batch.batch_size;
+  const Device device = config.device;
+  const ForwardMode mode = batch.mode;
+  Plan p;
+  p.mode = mode;
+  p.batch_size = batch_size;
+
+  // Query rows per request.
+  const bool draft_extend = mode == ForwardMode::kDraftExtend;
+  const bool host_q_lens = !batch.extend_seq_lens_cpu.empty();
+  const bool device_q_lens = !batch.extend_seq_lens.empty();
+  std::vector<int32_t> host_cu_q;
+  if (draft_extend) {
+    MLA_CHECK(host_q_lens || device_q_lens || batch_size == 0, op,
+              ": DRAFT_EXTEND needs the queries per request: batch.extend_seq_lens (device) or "
+              "batch.extend_seq_lens_cpu (host)");
+    if (device_q_lens)
+      detail::check_index_vector(op, "batch.extend_seq_lens", batch.extend_seq_lens, batch_size,
+                                 device);
+    if (host_q_lens) {
+      detail::check_host_lengths(op, "batch.extend_seq_lens_cpu", batch.extend_seq_lens_cpu,
+                                 batch_size);
+      host_cu_q.assign(size_t(batch_size) + 1, 0);
+      int max_q = 0;
+      for (int b = 0; b < batch_size; ++b) {
+        const int32_t len = batch.extend_seq_lens_cpu[size_t(b)];
+        MLA_CHECK(len >= 0, op, ": batch.extend_seq_lens_cpu[", b, "] must be >= 0, got ", len);
+        host_cu_q[size_t(b) + 1] = host_cu_q[size_t(b)] + len;
+        max_q = std::max(max_q, int(len));
+      }
+      p.num_tokens = host_cu_q.back();
+      p.max_q_len = std::max(1, max_q);
+    } else {
+      p.num_tokens = batch_size == 0 ? 0 : -1;  // known from the queries at forward time
+      const int bound = batch.num_draft_tokens > 0 ? batch.num_draft_tokens : config.num_draft_tokens;
+      MLA_CHECK(bound >= 1 || batch_size == 0, op,
+                ": DRAFT_EXTEND without batch.extend_seq_lens_cpu needs a bound on the queries "
+                "per request: batch.num_draft_tokens or BackendConfig::num_draft_tokens (> 0)");
+      p.max_q_len = std::max(1, bound);
+    }
+  } else {
+    p.q_len = fixed_q_len(op, mode, batch.num_draft_tokens);
+    p.max_q_len = p.q_len;
+    p.num_tokens = int64_t(batch_size) * p.q_len;
+  }
+  if (batch_size == 0) {
+    plan = std::move(p);
+    return;
+  }
+
+  detail::check_index_vector(op, "batch.req_pool_indices", batch.req_pool_indices, batch_size,
+                             device);
+  detail::check_index_vector(op, "batch.seq_lens", batch.seq_lens, batch_size, device);
+  // Block-table width: from the host lengths when the engine has them, else the full context
+  // (no device-to-host copy either way).
+  int64_t max_kv_len = max_context_len;
+  if (!batch.seq_lens_cpu.empty()) {
+    detail::check_host_lengths(op, "batch.seq_lens_cpu", batch.seq_lens_cpu, batch_size);
+    max_kv_len = 0;
+    for (int b = 0; b < batch_size; ++b) {
+      const int64_t len = int64_t(batch.seq_lens_cpu[size_t(b)]) + seq_len_offset;
+      MLA_CHECK(len >= 0 && len <= max_context_len, op, ": batch.seq_lens_cpu[", b, "] = ",
+                batch.seq_lens_cpu[size_t(b)],
+                seq_len_offset ? " (plus the draft step offset)" : "",
+                " must be in [0, max_context_len = ", max_context_len, "]");
+      max_kv_len = std::max(max_kv_len, len);
+    }
+  }
+  const int width = padded_block_count(max_kv_len, config.page_size);
+
+  detail::Int32Layout layout;
+  const int64_t at_kv_lens = layout.add(batch_size);
+  const int64_t at_cu_q = draft_extend ? layout.add(int64_t(batch_size) + 1) : -1;
+  const int64_t at_block_table = layout.add(int64_t(batch_size) * width);
+  int32_t* base = detail::reserve_int32(plan_buffer, layout.size(), device, stream);
+
+  p.kv_lens = detail::int32_view(base + at_kv_lens, {batch_size}, device);
+  detail::lengths_to_int32(detail::first_rows(batch.seq_lens, batch_size), seq_len_offset,
+                           p.kv_lens, stream);
+  if (draft_extend) {
+    p.cu_q_lens = detail::int32_view(base + at_cu_q, {int64_t(batch_size) + 1}, device);
+    if (device_q_lens) {
+      detail::prefix_sum_int32(detail::first_rows(batch.extend_seq_lens, batch_size), p.cu_q_lens,
+                               stream);
+    } else {
+      host_staging = std::move(host_cu_q);
+      detail::copy_to_device(base + at_cu_q, host_staging.data(),
+                             host_staging.size() * sizeof(int32_t), device, stream);
+    }
+  }
+  p.max_blocks = width;
+  p.max_kv_len = max_kv_len;
+  p.block_table = detail::int32_view(base + at_block_table, {batch_size, width}, device);
+  BuildBlockTableArgs table;
+  table.req_to_token = config.req_to_token;
+  table.req_pool_indices = detail::first_rows(batch.req_pool_indices, batch_size);
+  table.seq_lens = p.kv_lens;
+  table.page_size = config.page_size;
+  table.block_table = p.block_table;
+  build_block_table(table, stream);
+  plan = std::move(p);
+}
+
+void Backend::Impl::plan_extend(const ForwardBatch& batch, Stream stream) {
+  const char* op = kPlanOp;
+  const int batch_size = batch.batch_size;
+  const Device device = config.device;
+  if (batch_size > 0) {
+    MLA_CHECK(!batch.extend_seq_lens_cpu.empty(), op,
+              ": EXTEND is planned from host lengths: batch.extend_seq_lens_cpu is required");
+    MLA_CHECK(!batch.extend_prefix_lens_cpu.empty(), op,
+              ": EXTEND is planned from host lengths: batch.extend_prefix_lens_cpu is required");
+  }
+  detail::check_host_lengths(op, "batch.extend_seq_lens_cpu", batch.extend_seq_lens_cpu,
+                             batch_size);
+  detail::check_host_lengths(op, "batch.extend_prefix_lens_cpu", batch.extend_prefix_lens_cpu,
+                             batch_size);
+  for (int b = 0; b < batch_size; ++b) {
+    const int64_t prefix = batch.extend_prefix_lens_cpu[size_t(b)];
+    const int64_t extend = batch.extend_seq_lens_cpu[size_t(b)];
+    MLA_CHECK(prefix >= 0, op, ": batch.extend_prefix_lens_cpu[", b, "] must be >= 0, got ", prefix);
+    MLA_CHECK(extend >= 0, op, ": batch.extend_seq_lens_cpu[", b, "] must be >= 0, got ", extend);
+    MLA_CHECK(prefix + extend <= max_context_len, op, ": batch.extend_prefix_lens_cpu[", b,
+              "] + batch.extend_seq_lens_cpu[", b, "] = ", prefix + extend,
+              " exceeds max_context_len = ", max_context_len);
+    if (!batch.seq_lens_cpu.empty()) {
+      detail::check_host_lengths(op, "batch.seq_lens_cpu", batch.seq_lens_cpu, batch_size);
+      MLA_CHECK(batch.seq_lens_cpu[size_t(b)] == prefix + extend, op, ": batch.seq_lens_cpu[", b,
+                "] = ", batch.seq_lens_cpu[size_t(b)], " but extend_prefix_lens_cpu[", b,
+                "] + extend_seq_lens_cpu[", b, "] = ", prefix + extend);
+    }
+  }
+  if (!batch.seq_lens.empty())
+    detail::check_index_vector(op, "batch.seq_lens", batch.seq_lens, batch_size, device);
+
+  ExtendPlan ext = plan_extend_lengths(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu,
+                                       config.prefix_chunk_capacity, config.extend_prefix_path,
+                                       config.absorbed_max_extend_len);
+  Plan p;
+  p.mode = ForwardMode::kExtend;
+  p.batch_size = batch_size;
+  p.num_tokens = ext.num_tokens;
+  p.max_q_len = std::max(1, ext.max_q_len);
+  p.max_kv_len = ext.max_seq_len;
+  if (batch_size == 0) {
+    p.extend = std::move(ext);
+    plan = std::move(p);
+    return;
+  }
+  detail::check_index_vector(op, "batch.req_pool_indices", batch.req_pool_indices, batch_size,
+                             device);
+  const int width = padded_block_count(ext.max_seq_len, config.page_size);
+
+  // Uploaded from the host: kv_lens | cu_q_lens | prefix_lens | each chunk's cu_kv_lens.
+  // Then built on the device: block_table | prefix token slots (request-major).
+  detail::Int32Layout layout;
+  const int64_t at_kv_lens = layout.add(batch_size);
+  const int64_t at_cu_q = layout.add(int64_t(batch_size) + 1);
+  const int64_t at_prefix_lens = layout.add(batch_size);
+  std::vector<int64_t> at_chunk_cu(ext.chunks.size());
+  for (size_t c = 0; c < ext.chunks.size(); ++c) at_chunk_cu[c] = layout.add(int64_t(batch_size) + 1);
+  const int64_t upload_count = layout.size();
+  const int64_t at_block_table = layout.add(int64_t(batch_size) * width);
+  const int64_t at_slots = layout.add(ext.num_prefix_tokens);
+
+  host_staging.assign(size_t(upload_count), 0);
+  for (int b = 0; b < batch_size; ++b) {
+    host_staging[size_t(at_kv_lens + b)] = ext.prefix_lens[size_t(b)] + ext.extend_lens[size_t(b)];
+    host_staging[size_t(at_prefix_lens + b)] = ext.prefix_lens[size_t(b)];
+  }
+  std::copy(ext.cu_q_lens.begin(), ext.cu_q_lens.end(), host_staging.begin() + at_cu_q);
+  for (size_t c = 0; c < ext.chunks.size(); ++c)
+    std::copy(ext.chunks[c].cu_kv_lens.begin(), ext.chunks[c].cu_kv_lens.end(),
+              host_staging.begin() + at_chunk_cu[c]);
+  int32_t* base = detail::reserve_int32(plan_buffer, layout.size(), device, stream);
+  detail::copy_to_device(base, host_staging.data(), size_t(upload_count) * sizeof(int32_t), device,
+                         stream);
+
+  p.kv_lens = detail::int32_view(base + at_kv_lens, {batch_size}, device);
+  p.cu_q_lens = detail::int32_view(base + at_cu_q, {int64_t(batch_size) + 1}, device);
+  ext.cu_q_lens_device = p.cu_q_lens;
+  p.max_blocks = width;
+  p.block_table = detail::int32_view(base + at_block_table, {batch_size, width}, device);
+  const TensorView req_pool_indices = detail::first_rows(batch.req_pool_indices, batch_size);
+  BuildBlockTableArgs table;
+  table.req_to_token = config.req_to_token;
+  table.req_pool_indices = req_pool_indices;
+  table.seq_lens = p.kv_lens;
+  table.page_size = config.page_size;
+  table.block_table = p.block_table;
+  build_block_table(table, stream);
+
+  // Prefix token slots, request-major: with page size 1 a block-table row is the request's
+  // token slots, so each request's prefix row is written straight into its packed place.
+  int64_t slot_offset = 0;
+  for (int b = 0; b < batch_size; ++b) {
+    const int32_t prefix = ext.prefix_lens[size_t(b)];
+    if (prefix == 0) continue;
+    BuildBlockTableArgs slots;
+    slots.req_to_token = config.req_to_token;
+    slots.req_pool_indices = detail::row_range(req_pool_indices, b, 1);
+    slots.seq_lens = detail::int32_view(base + at_prefix_lens + b, {1}, device);
+    slots.page_size = 1;
+    slots.block_table = detail::int32_view(base + at_slots + slot_offset, {1, prefix}, device);
+    build_block_table(slots, stream);
+    slot_offset += prefix;
+  }
+  for (size_t c = 0; c < ext.chunks.size(); ++c) {
+    PrefixChunk& chunk = ext.chunks[c];
+    chunk.cu_kv_lens_device =
+        detail::int32_view(base + at_chunk_cu[c], {int64_t(batch_size) + 1}, device);
+    chunk.slots = detail::int32_view(base + at_slots + chunk.first_token, {chunk.num_tokens}, device);
+  }
+  p.extend = std::move(ext);
+  plan = std::move(p);
+}
+
+void Backend::Impl::plan_fixed(const char* op, int bs, int64_t num_tokens,
+                               const TensorView& req_pool_indices, const TensorView& seq_lens,
+                               ForwardMode mode, Stream stream) {
+  MLA_CHECK(graph_max_bs > 0, op, ": no CUDA-graph buffers; call init_cuda_graph_state first");
+  MLA_CHECK(mode == ForwardMode::kIdle || is_decode_family(mode), op,
+            ": mode must be DECODE, TARGET_VERIFY, DRAFT_EXTEND or IDLE (EXTEND is planned "
+            "eagerly), got ", forward_mode_name(mode));
+  MLA_CHECK(bs >= 0 && bs <= graph_max_bs, op, ": bs must be in [0, max_bs = ", graph_max_bs,
+            "], got ", bs);
+  planned = false;
+  Plan p;
+  p.mode = mode;
+  p.fixed_buffers = true;
+  if (mode == ForwardMode::kIdle) {
+    plan = std::move(p);
+    planned = true;
+    return;
+  }
+  p.batch_size = bs;
+  p.q_len = fixed_q_len(op, mode, 0);
+  p.max_q_len = p.q_len;
+  p.num_tokens = int64_t(bs) * p.q_len;
+  if (num_tokens >= 0)
+    MLA_CHECK(num_tokens == p.num_tokens, op, ": num_tokens must be bs * q_len = ", bs, " * ",
+              p.q_len, " = ", p.num_tokens, " for ", forward_mode_name(mode), ", got ", num_tokens);
+  MLA_CHECK(p.num_tokens <= graph_max_num_tokens, op, ": bs ", bs, " x q_len ", p.q_len, " = ",
+            p.num_tokens, " tokens exceeds max_num_tokens = ", graph_max_num_tokens);
+  p.max_blocks = graph_max_blocks;
+  p.max_kv_len = max_context_len;
+  p.kv_lens = detail::int32_view(graph_kv_lens, {bs}, config.device);
+  p.block_table = detail::int32_view(graph_block_table, {bs, graph_max_blocks}, config.device);
+  if (bs > 0) {
+    detail::check_index_vector(op, "req_pool_indices", req_pool_indices, bs, config.device);
+    detail::check_index_vector(op, "seq_lens", seq_lens, bs, config.device);
+    detail::lengths_to_int32(detail::first_rows(seq_lens, bs), seq_len_offset, p.kv_lens, stream);
+    BuildBlockTableArgs table;
+    table.req_to_token = config.req_to_token;
+    table.req_pool_indices = detail::first_rows(req_pool_indices, bs);
+    table.seq_lens = p.kv_lens;
+    table.page_size = config.page_size;
+    table.block_table = p.block_table;
+    build_block_table(table, stream);
+  }
+  plan = std::move(p);
+  planned = true;
+}
+
+const Plan& Backend::Impl::plan_for(const char* op, const ForwardBatch& batch, Stream stream) {
+  MLA_CHECK(planned, op,
+            ": there is no plan; call init_forward_metadata (or a CUDA-graph capture/replay) first");
+  MLA_CHECK(batch.mode == plan.mode, op, ": batch.mode is ", forward_mode_name(batch.mode),
+            " but the plan was made for ", forward_mode_name(plan.mode),
+            "; call init_forward_metadata for this batch");
+  if (batch.batch_size > plan.batch_size) {
+    // Data-parallel padding grew the batch after it was planned: re-plan rather than read past
+    // the end of the plan.
+    if (replan_all_steps)
+      replan_all_steps(batch, stream);
+    else
+      plan_batch(batch, stream);
+  }
+  MLA_CHECK(batch.batch_size == plan.batch_size, op, ": batch.batch_size is ", batch.batch_size,
+            " but the plan has ", plan.batch_size, " requests");
+  return plan;
+}
+
+void Backend::Impl::check_layer(const char* op, const LayerParams& layer) const {
+  const TensorView& kv = layer.kv_cache;
+  check::ndim(op, "layer.kv_cache", kv, 3);
+  check::dim(op, "layer.kv_cache", kv, 1, config.page_size, "page size, as BackendConfig::page_size");
+  check::dim(op, "layer.kv_cache", kv, 2, kLatentDim, "kv_lora_rank 512 + rope 64");
+  check::dtype(op, "layer.kv_cache", kv, config.kv_cache_dtype);
+  check::contiguous(op, "layer.kv_cache", kv);
+  check::same_device(op, "layer.kv_cache", kv, config.device);
+  MLA_CHECK(finite_positive(layer.softmax_scale), op, ": layer.softmax_scale (layer ",
+            layer.layer_id, ") must be finite and > 0 (e.g. 1/sqrt(192)), got ", layer.softmax_scale);
+  MLA_CHECK(finite_positive(layer.k_scale), op, ": layer.k_scale (layer ", layer.layer_id,
+            ") must be finite and > 0, got ", layer.k_scale);
+  MLA_CHECK(finite_positive(layer.q_scale), op, ": layer.q_scale (layer ", layer.layer_id,
+            ") must be finite and > 0, got ", layer.q_scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backend::Impl: attention
+
+void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, const LayerParams& layer,
+                                 const AbsorbedAttentionArgs& args, const Plan& p, Stream stream) {
+  const Device device = config.device;
+  const int64_t heads = config.num_q_heads;
+  const bool fused = !args.q.empty();
+  const bool split = !args.q_nope.empty() || !args.q_pe.empty();
+  MLA_CHECK(fused != split, op,
+            ": give either args.q [T, H, 576] or args.q_nope [T, H, 512] with args.q_pe [T, H, 64]",
+            fused ? " (both were given)" : " (none was given)");
+  const bool rope = !args.cos_sin_cache.empty();
+  const char* q_name = fused ? "args.q" : "args.q_nope";
+  const TensorView& q_first = fused ? args.q : args.q_nope;
+  check::ndim(op, q_name, q_first, 3);
+  const int64_t num_tokens = q_first.shape[0];
+  check::dim(op, q_name, q_first, 1, heads, "heads, as BackendConfig::num_q_heads");
+  check::dim(op, q_name, q_first, 2, fused ? kLatentDim : kKvLoraRank,
+             fused ? "absorbed q_nope 512 + q_pe 64" : "absorbed q_nope");
+  if (rope)
+    check::dtype_in(op, q_name, q_first, {DType::kBF16, DType::kFP16});
+  else
+    check::dtype(op, q_name, q_first, config.q_dtype);
+  check::same_device(op, q_name, q_first, device);
+  if (!fused) {
+    check::ndim(op, "args.q_pe", args.q_pe, 3);
+    check::dim(op, "args.q_pe", args.q_pe, 0, num_tokens, "tokens, as args.q_nope");
+    check::dim(op, "args.q_pe", args.q_pe, 1, heads, "heads, as BackendConfig::num_q_heads");
+    check::dim(op, "args.q_pe", args.q_pe, 2, kRopeDim, "rope dim");
+    check::dtype(op, "args.q_pe", args.q_pe, q_first.dtype);
+    check::same_device(op, "args.q_pe", args.q_pe, device);
+  }
+  if (p.num_tokens >= 0)
+    MLA_CHECK(num_tokens == p.num_tokens, op, ": ", q_name, " has ", num_tokens,
+              " tokens but the plan for this ", forward_mode_name(p.mode), " batch has ",
+              p.num_tokens);
+  check::ndim(op, "args.out", args.out, 3);
+  check::dim(op, "args.out", args.out, 0, num_tokens, "tokens, as the queries");
+  check::dim(op, "args.out", args.out, 1, heads, "heads, as BackendConfig::num_q_heads");
+  check::dim(op, "args.out", args.out, 2, kKvLoraRank, "kv_lora_rank");
+  check::dtype(op, "args.out", args.out, config.out_dtype);
+  check::same_device(op, "args.out", args.out, device);
+  if (!args.lse.empty()) {
+    check::ndim(op, "args.lse", args.lse, 2);
+    check::dim(op, "args.lse", args.lse, 0, num_tokens, "tokens, as the queries");
+    check::dim(op, "args.lse", args.lse, 1, heads, "heads, as BackendConfig::num_q_heads");
+    check::dtype(op, "args.lse", args.lse, DType::kFP32);
+    check::same_device(op, "args.lse", args.lse, device);
+  }
+  TensorView k_nope = args.k_nope;
+  TensorView k_pe = args.k_pe;
+  if (args.save_kv_cache) {
+    MLA_CHECK(!k_nope.empty() && !k_pe.empty(), op,
+              ": args.k_nope and args.k_pe are required with args.save_kv_cache "
+              "(or set save_kv_cache = false)");
+    check::ndim(op, "args.k_nope", k_nope, 2);
+    check::dim(op, "args.k_nope", k_nope, 0, num_tokens, "tokens, as the queries");
+    check::same_device(op, "args.k_nope", k_nope, device);
+    check::ndim(op, "args.k_pe", k_pe, 2);
+    check::dim(op, "args.k_pe", k_pe, 0, num_tokens, "tokens, as the queries");
+    check::same_device(op, "args.k_pe", k_pe, device);
+    detail::check_index_vector(op, "batch.out_cache_loc", batch.out_cache_loc, num_tokens, device);
+  }
+  if (p.batch_size == 0 || num_tokens == 0) {
+    MLA_CHECK(num_tokens == 0, op, ": ", q_name, " has ", num_tokens,
+              " tokens but the batch has no requests");
+    return;
+  }
+
+  detail::ScratchArena scratch(*workspace, op);
+  MlaDecodeArgs decode;
+  if (rope) {
+    detail::check_index_vector(op, "batch.positions", batch.positions, num_tokens, device);
+    RopeQuantizeArgs r;
+    r.q_nope = fused ? last_dim_slice(args.q, 0, kKvLoraRank) : args.q_nope;
+    r.q_pe = fused ? last_dim_slice(args.q, kKvLoraRank, kRopeDim) : args.q_pe;
+    r.cos_sin_cache = args.cos_sin_cache;
+    r.positions = detail::first_rows(batch.positions, num_tokens);
+    r.style = args.rope_style;
+    r.q_out = scratch.take("the roped query", config.q_dtype, {num_tokens, heads, kLatentDim});
+    r.q_scale = layer.q_scale;
+    if (args.save_kv_cache) {
+      r.k_nope = k_nope;
+      r.k_pe = k_pe;
+      r.k_nope_out = scratch.take("the roped k_nope", k_nope.dtype, {num_tokens, kKvLoraRank});
+      r.k_pe_out = scratch.take("the roped k_pe", k_nope.dtype, {num_tokens, kRopeDim});
+    }
+    rope_quantize(r, stream);
+    if (args.save_kv_cache) {
+      k_nope = r.k_nope_out;
+      k_pe = r.k_pe_out;
+    }
+    decode.q = r.q_out;
+  } else if (fused) {
+    decode.q = args.q;
+  } else {
+    decode.q_nope = args.q_nope;
+    decode.q_pe = args.q_pe;
+  }
+  if (args.save_kv_cache) {
+    AppendLatentKvArgs append;
+    append.k_nope = k_nope;
+    append.k_pe = k_pe;
+    append.loc = detail::first_rows(batch.out_cache_loc, num_tokens);
+    append.kv_cache = layer.kv_cache;
+    append.k_scale = layer.k_scale;
+    append_latent_kv(append, stream);
+  }
+  decode.kv_cache = layer.kv_cache;
+  decode.block_table = p.block_table;
+  decode.kv_lens = p.kv_lens;
+  decode.cu_q_lens = p.cu_q_lens;
+  decode.q_len = p.q_len;
+  decode.max_q_len = p.max_q_len;
+  decode.softmax_scale = layer.softmax_scale;
+  decode.q_scale = config.q_dtype == DType::kFP8E4M3 ? layer.q_scale : 1.0f;
+  decode.k_scale = config.kv_cache_dtype == DType::kFP8E4M3 ? layer.k_scale : 1.0f;
+  decode.out = args.out;
+  decode.lse = args.lse;
+  decode.schedule = p.schedule;
+  mla_decode(decode, stream);
+}
+
+void Backend::Impl::check_mha(const char* op, const MhaAttentionArgs& args, int64_t num_q,
+                              int64_t num_kv, bool lse_required) const {
+  const int64_t heads = config.num_q_heads;
+  const Device device = config.device;
+  struct Operand {
+    const char* name;
+    const TensorView* t;
+    int64_t rows;
+    int64_t width;
+    DType dtype;
+  };
+  const Operand operands[] = {{"args.q", &args.q, num_q, 192, config.q_dtype},
+                              {"args.k", &args.k, num_kv, 192, config.q_dtype},
+                              {"args.v", &args.v, num_kv, 128, config.q_dtype},
+                              {"args.out", &args.out, num_q, 128, config.out_dtype}};
+  for (const Operand& o : operands) {
+    check::ndim(op, o.name, *o.t, 3);
+    check::dim(op, o.name, *o.t, 0, o.rows, o.t == &args.q || o.t == &args.out
+                                                 ? "tokens, as planned (sum of extend lengths)"
+                                                 : "keys, as planned");
+    check::dim(op, o.name, *o.t, 1, heads, "heads, as BackendConfig::num_q_heads");
+    check::dim(op, o.name, *o.t, 2, o.width, o.width == 192 ? "qk_nope 128 + rope 64" : "v head dim");
+    check::dtype(op, o.name, *o.t, o.dtype);
+    check::same_device(op, o.name, *o.t, device);
+  }
+  MLA_CHECK(!lse_required || !args.lse.empty(), op, ": args.lse is required");
+  if (!args.lse.empty()) {
+    check::ndim(op, "args.lse", args.lse, 2);
+    check::dim(op, "args.lse", args.lse, 0, num_q, "tokens, as args.q");
+    check::dim(op, "args.lse", args.lse, 1, heads, "heads, as BackendConfig::num_q_heads");
+    check::dtype(op, "args.lse", args.lse, DType::kFP32);
+    check::same_device(op, "args.lse", args.lse, device);
+  }
+}
+
+void Backend::Impl::check_chunk_index(const char* op, int chunk_idx) const {
+  MLA_CHECK(planned && plan.mode == ForwardMode::kExtend, op,
+            ": the current plan is not an EXTEND plan; call init_forward_metadata first");
+  MLA_CHECK(chunk_idx >= 0 && size_t(chunk_idx) < plan.extend.chunks.size(), op,
+            ": chunk_idx must be in [0, ", plan.extend.chunks.size(), "), got ", chunk_idx);
+}
+
+void Backend::Impl::run_new_token_attention(const char*, const LayerParams& layer,
+                                            const MhaAttentionArgs& args, const TensorView& out,
+                                            const TensorView& lse, Stream stream) {
+  const ExtendPlan& ext = plan.extend;
+  MhaPrefillArgs m;
+  m.q = args.q;
+  m.k = args.k;
+  m.v = args.v;
+  m.cu_q_lens = ext.cu_q_lens_device;
+  m.cu_kv_lens = ext.cu_q_lens_device;
+  m.max_q_len = std::max(1, ext.max_q_len);
+  m.max_kv_len = m.max_q_len;
+  m.causal = true;
+  m.softmax_scale = layer.softmax_scale;
+  m.q_scale = args.q_scale;
+  m.k_scale = args.k_scale;
+  m.v_scale = args.v_scale;
+  m.out = out;
+  m.lse = lse;
+  mha_prefill(m, stream);
+}
+
+void Backend::Impl::run_prefix_chunk_attention(const char*, int chunk_idx, const LayerParams& layer,
+                                               const MhaAttentionArgs& args, const TensorView& out,
+                                               const TensorView& lse, Stream stream) {
+  const ExtendPlan& ext = plan.extend;
+  const PrefixChunk& chunk = ext.chunks[size_t(chunk_idx)];
+  MhaPrefillArgs m;
+  m.q = args.q;
+  m.k = args.k;
+  m.v = args.v;
+  m.cu_q_lens = ext.cu_q_lens_device;
+  m.cu_kv_lens = chunk.cu_kv_lens_device;
+  m.max_q_len = std::max(1, ext.max_q_len);
+  m.max_kv_len = std::max(1, chunk.max_kv_len);
+  m.causal = false;
+  m.softmax_scale = layer.softmax_scale;
+  m.q_scale = args.q_scale;
+  m.k_scale = args.k_scale;
+  m.v_scale = args.v_scale;
+  m.out = out;
+  m.lse = lse;
+  mha_prefill(m, stream);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backend: public entries
+
+Backend::Backend(const BackendConfig& config, std::shared_ptr<Workspace> workspace)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->config = config;
+  impl_->validate_config();
+  if (workspace) {
+    MLA_CHECK(workspace->device() == config.device, "Backend: the workspace is on ",
+              device_name(workspace->device()), " but config.device is ",
+              device_name(config.device));
+    impl_->workspace = std::move(workspace);
+  } else {
+    impl_->workspace = std::make_shared<Workspace>(config.workspace_bytes, config.device);
+  }
+}
+
+Backend::~Backend() = default;
+Backend::Backend(Backend&&) noexcept = default;
+Backend& Backend::operator=(Backend&&) noexcept = default;
+
+const BackendConfig& Backend::config() const { return impl_->config; }
+const std::shared_ptr<Workspace>& Backend::workspace() const { return impl_->workspace; }
+const Plan& Backend::plan() const { return impl_->plan; }
+bool Backend::has_plan() const { return impl_->planned; }
+
+void Backend::init_forward_metadata(const ForwardBatch& batch, Stream stream) {
+  impl_->plan_batch(batch, stream);
+}
+
+void Backend::init_cuda_graph_state(int max_bs, int64_t max_num_tokens) {
+  constexpr const char* op = "init_cuda_graph_state";
+  MLA_CHECK(max_bs >= 1, op, ": max_bs must be >= 1, got ", max_bs);
+  MLA_CHECK(max_num_tokens >= max_bs, op,
+            ": max_num_tokens must be >= max_bs (DECODE has one token per request), got ",
+            max_num_tokens, " with max_bs ", max_bs);
+  Impl& s = *impl_;
+  const int width = padded_block_count(s.max_context_len, s.config.page_size);
+  detail::Int32Layout layout;
+  const int64_t at_kv_lens = layout.add(max_bs);
+  const int64_t at_block_table = layout.add(int64_t(max_bs) * width);
+  s.planned = false;  // the plan may point into the buffers being replaced
+  s.graph_buffer = detail::Buffer(size_t(layout.size()) * sizeof(int32_t), s.config.device);
+  auto* base = static_cast<int32_t*>(s.graph_buffer.data());
+  s.graph_kv_lens = base + at_kv_lens;
+  s.graph_block_table = base + at_block_table;
+  s.graph_max_bs = max_bs;
+  s.graph_max_num_tokens = max_num_tokens;
+  s.graph_max_blocks = width;
+}
+
+void Backend::init_forward_metadata_capture_cuda_graph(int bs, int64_t num_tokens,
+                                                       const TensorView& req_pool_indices,
+                                                       const TensorView& seq_lens, ForwardMode mode,
+                                                       Stream stream) {
+  MLA_CHECK(num_tokens >= 0, "init_forward_metadata_capture_cuda_graph: num_tokens must be >= 0, got ",
+            num_tokens);
+  impl_->plan_fixed("init_forward_metadata_capture_cuda_graph", bs, num_tokens, req_pool_indices,
+                    seq_lens, mode, stream);
+}
+
+void Backend::init_forward_metadata_replay_cuda_graph(int bs, const TensorView& req_pool_indices,
+                                                      const TensorView& seq_lens, ForwardMode mode,
+                                                      Stream stream) {
+  impl_->plan_fixed("init_forward_metadata_replay_cuda_graph", bs, -1, req_pool_indices, seq_lens,
+                    mode, stream);
+}
+
+void Backend::save_latent_kv(const ForwardBatch& batch, const LayerParams& layer,
+                             const TensorView& k_nope, const TensorView& k_pe, Stream stream) {
+  constexpr const char* op = "save_latent_kv";
+  if (batch.mode == ForwardMode::kIdle) return;
+  impl_->check_layer(op, layer);
+  check::ndim(op, "k_nope", k_nope, 2);
+  const int64_t num_tokens = k_nope.shape[0];
+  check::same_device(op, "k_nope", k_nope, impl_->config.device);
+  detail::check_index_vector(op, "batch.out_cache_loc", batch.out_cache_loc, num_tokens,
+                             impl_->config.device);
+  AppendLatentKvArgs append;
+  append.k_nope = k_nope;
+  append.k_pe = k_pe;
+  append.loc = detail::first_rows(batch.out_cache_loc, num_tokens);
+  append.kv_cache = layer.kv_cache;
+  append.k_scale = layer.k_scale;
+  append_latent_kv(append, stream);
+}
+
+void Backend::forward_decode(const ForwardBatch& batch, const LayerParams& layer,
+                             const AbsorbedAttentionArgs& args, Stream stream) {
+  constexpr const char* op = "forward_decode";
+  if (batch.mode == ForwardMode::kIdle) return;
+  MLA_CHECK(is_decode_family(batch.mode), op,
+            ": batch.mode must be DECODE, TARGET_VERIFY or DRAFT_EXTEND, got ",
+            forward_mode_name(batch.mode), " (EXTEND runs forward_extend_*)");
+  impl_->check_layer(op, layer);
+  const Plan& p = impl_->plan_for(op, batch, stream);
+  impl_->run_absorbed(op, batch, layer, args, p, stream);
+}
+
+void Backend::forward_extend_absorbed(const ForwardBatch& batch, const LayerParams& layer,
+                                      const AbsorbedAttentionArgs& args, Stream stream) {
+  constexpr const char* op = "forward_extend_absorbed";
+  if (batch.mode == ForwardMode::kIdle) return;
+  MLA_CHECK(batch.mode == ForwardMode::kExtend, op, ": batch.mode must be EXTEND, got ",
+            forward_mode_name(batch.mode), " (the decode family runs forward_decode)");
+  impl_->check_layer(op, layer);
+  const Plan& p = impl_->plan_for(op, batch, stream);
+  impl_->run_absorbed(op, batch, layer, args, p, stream);
+}
+
+void Backend::forward_extend(const ForwardBatch& batch, const LayerParams& layer,
+                             const MhaAttentionArgs& args, Stream stream) {
+  constexpr const char* op = "forward_extend";
+  if (batch.mode == ForwardMode::kIdle) return;
+  MLA_CHECK(batch.mode == ForwardMode::kExtend, op, ": batch.mode must be EXTEND, got ",
+            forward_mode_name(batch.mode));
+  impl_->check_layer(op, layer);
+  const Plan& p = impl_->plan_for(op, batch, stream);
+  impl_->check_mha(op, args, p.num_tokens, p.num_tokens, false);
+  if (p.batch_size == 0 || p.num_tokens == 0) return;
+  impl_->run_new_token_attention(op, layer, args, args.out, args.lse, stream);
+}
+
+int Backend::num_prefix_chunks() const {
+  const Impl& s = *impl_;
+  return s.planned && s.plan.mode == ForwardMode::kExtend ? int(s.plan.extend.chunks.size()) : 0;
+}
+
+void Backend::gather_prefix_chunk(int chunk_idx, const LayerParams& layer,
+                                  const TensorView& latent_out, Stream stream) {
+  constexpr const char* op = "gather_prefix_chunk";
+  Impl& s = *impl_;
+  s.check_chunk_index(op, chunk_idx);
+  s.check_layer(op, layer);
+  const PrefixChunk& chunk = s.plan.extend.chunks[size_t(chunk_idx)];
+  check::ndim(op, "latent_out", latent_out, 2);
+  check::dim(op, "latent_out", latent_out, 0, chunk.num_tokens, "prefix tokens in the chunk");
+  check::dim(op, "latent_out", latent_out, 1, kLatentDim, "kv_lora_rank 512 + rope 64");
+  check::dtype(op, "latent_out", latent_out, s.config.kv_cache_dtype);
+  check::inner_contiguous(op, "latent_out", latent_out);
+  check::same_device(op, "latent_out", latent_out, s.config.device);
+  const TensorView& kv = layer.kv_cache;
+  const TensorView entries = TensorView::contiguous(
+      kv.data, kv.dtype, {kv.shape[0] * kv.shape[1], kLatentDim}, kv.device);
+  detail::gather_rows(entries, chunk.slots, latent_out, stream);
+}
+
+void Backend::forward_prefix_chunk(const ForwardBatch& batch, int chunk_idx,
+                                   const LayerParams& layer, const MhaAttentionArgs& args,
+                                   Stream stream) {
+  constexpr const char* op = "forward_prefix_chunk";
+  if (batch.mode == ForwardMode::kIdle) return;
+  MLA_CHECK(batch.mode == ForwardMode::kExtend, op, ": batch.mode must be EXTEND, got ",
+            forward_mode_name(batch.mode));
+  impl_->check_layer(op, layer);
+  const Plan& p = impl_->plan_for(op, batch, stream);
+  impl_->check_chunk_index(op, chunk_idx);
+  const PrefixChunk& chunk = p.extend.chunks[size_t(chunk_idx)];
+  impl_->check_mha(op, args, p.num_tokens, chunk.num_tokens, true);
+  if (p.num_tokens == 0) return;
+  impl_->run_prefix_chunk_attention(op, chunk_idx, layer, args, args.out, args.lse, stream);
+}
+
+size_t Backend::chunked_extend_workspace_bytes(const BackendConfig& config, int64_t num_tokens) {
+  using detail::ScratchArena;
+  const int64_t h = config.num_q_heads;
+  const int64_t n = config.prefix_chunk_capacity;
+  return 2 * ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h, 128}) +
+         2 * ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h}) +
+         ScratchArena::aligned_bytes(config.kv_cache_dtype, {n, kLatentDim}) +
+         ScratchArena::aligned_bytes(config.q_dtype, {n, h, 192}) +
+         ScratchArena::aligned_bytes(config.q_dtype, {n, h, 128});
+}
+
+void Backend::forward_extend_chunked(const ForwardBatch& batch, const LayerParams& layer,
+                                     const MhaAttentionArgs& new_tokens,
+                                     const UpProjectFn& up_project, Stream stream) {
+  constexpr const char* op = "forward_extend_chunked";
+  if (batch.mode == ForwardMode::kIdle) return;
+  MLA_CHECK(batch.mode == ForwardMode::kExtend, op, ": batch.mode must be EXTEND, got ",
+            forward_mode_name(batch.mode));
+  Impl& s = *impl_;
+  s.check_layer(op, layer);
+  const Plan& p = s.plan_for(op, batch, stream);
+  s.check_mha(op, new_tokens, p.num_tokens, p.num_tokens, false);
+  const std::vector<PrefixChunk>& chunks = p.extend.chunks;
+  MLA_CHECK(chunks.empty() || static_cast<bool>(up_project), op,
+            ": up_project is required (the batch has a prefix)");
+  if (p.batch_size == 0 || p.num_tokens == 0) return;
+  if (chunks.empty()) {
+    s.run_new_token_attention(op, layer, new_tokens, new_tokens.out, new_tokens.lse, stream);
+    return;
+  }
+
+  const int64_t tokens = p.num_tokens;
+  const int64_t heads = s.config.num_q_heads;
+  int64_t max_chunk_tokens = 0;
+  for (const PrefixChunk& c : chunks) max_chunk_tokens = std::max(max_chunk_tokens, c.num_tokens);
+  detail::ScratchArena scratch(*s.workspace, op);
+  const TensorView acc_out = scratch.take("the accumulated output", DType::kFP32, {tokens, heads, 128});
+  const TensorView acc_lse = scratch.take("the accumulated lse", DType::kFP32, {tokens, heads});
+  const TensorView part_out = scratch.take("a chunk's output", DType::kFP32, {tokens, heads, 128});
+  const TensorView part_lse = scratch.take("a chunk's lse", DType::kFP32, {tokens, heads});
+  const TensorView latent = scratch.take("the gathered latents", s.config.kv_cache_dtype,
+                                         {max_chunk_tokens, kLatentDim});
+  const TensorView k = scratch.take("the up-projected keys", s.config.q_dtype,
+                                    {max_chunk_tokens, heads, 192});
+  const TensorView v = scratch.take("the up-projected values", s.config.q_dtype,
+                                    {max_chunk_tokens, heads, 128});
+
+  s.run_new_token_attention(op, layer, new_tokens, acc_out, acc_lse, stream);
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const int64_t n = chunks[c].num_tokens;
+    const TensorView chunk_latent = detail::first_rows(latent, n);
+    gather_prefix_chunk(int(c), layer, chunk_latent, stream);
+    MhaAttentionArgs chunk_args = new_tokens;
+    chunk_args.k = detail::first_rows(k, n);
+    chunk_args.v = detail::first_rows(v, n);
+    up_project(int(c), chunk_latent, chunk_args.k, chunk_args.v);
+    s.run_prefix_chunk_attention(op, int(c), layer, chunk_args, part_out, part_lse, stream);
+    const bool last = c + 1 == chunks.size();
+    MergeStatesArgs merge;
+    merge.out_a = acc_out;
+    merge.lse_a = acc_lse;
+    merge.out_b = part_out;
+    merge.lse_b = part_lse;
+    merge.out = last ? new_tokens.out : acc_out;
+    merge.lse_out = last ? new_tokens.lse : acc_lse;
+    merge_states(merge, stream);
+  }
+}
+
+}  // namespace mla

@@ -1,0 +1,107 @@
+// Internals of mla::Backend shared by backend.cpp and multi_step.cpp.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "backend/memory.hpp"
+#include "mla/backend.hpp"
+#include "mla/error.hpp"
+
+namespace mla::detail {
+
+// Sections of one int32 plan buffer; each section starts on a 64-element (256-byte) boundary.
+class Int32Layout {
+ public:
+  int64_t add(int64_t count) {
+    const int64_t at = size_;
+    size_ += (count + 63) / 64 * 64;
+    return at;
+  }
+  int64_t size() const { return size_; }
+
+ private:
+  int64_t size_ = 0;
+};
+
+// Grows `buffer` (never shrinks) to hold `count` int32 values; returns its base.
+int32_t* reserve_int32(Buffer& buffer, int64_t count, Device device, Stream stream);
+
+// Views.
+TensorView int32_view(int32_t* data, std::initializer_list<int64_t> shape, Device device);
+TensorView first_rows(const TensorView& t, int64_t rows);           // [rows, ...] of t
+TensorView row_range(const TensorView& t, int64_t begin, int64_t rows);
+
+// An index-like vector argument: 1-D, int32/int64, at least `min_len` entries, on `device`.
+void check_index_vector(const char* op, const char* name, const TensorView& t, int64_t min_len,
+                        Device device);
+// A host span of exactly `len` entries.
+void check_host_lengths(const char* op, const char* name, std::span<const int32_t> values,
+                        int64_t len);
+
+// Carves 256-byte aligned tensors out of a workspace, front to back (reset per call).
+class ScratchArena {
+ public:
+  ScratchArena(const Workspace& workspace, const char* op) : workspace_(workspace), op_(op) {}
+  TensorView take(const char* what, DType dtype, std::initializer_list<int64_t> shape);
+  static size_t aligned_bytes(DType dtype, std::initializer_list<int64_t> shape);
+
+ private:
+  const Workspace& workspace_;
+  const char* op_;
+  size_t used_ = 0;
+};
+
+}  // namespace mla::detail
+
+namespace mla {
+
+struct Backend::Impl {
+  BackendConfig config;
+  std::shared_ptr<Workspace> workspace;
+  int64_t max_context_len = 0;
+  // Draft step i of a MultiStepDraftBackend attends over seq_lens + i tokens.
+  int seq_len_offset = 0;
+  // Set by a MultiStepDraftBackend: re-plans all its steps (the DP-padding backstop).
+  std::function<void(const ForwardBatch&, Stream)> replan_all_steps;
+
+  Plan plan;
+  bool planned = false;
+  detail::Buffer plan_buffer;         // eager plan metadata, grows as needed
+  std::vector<int32_t> host_staging;  // what is uploaded into plan_buffer
+
+  // CUDA-graph state (init_cuda_graph_state).
+  int graph_max_bs = 0;
+  int64_t graph_max_num_tokens = 0;
+  int graph_max_blocks = 0;
+  detail::Buffer graph_buffer;        // kv_lens [max_bs] | block_table [max_bs, graph_max_blocks]
+  int32_t* graph_kv_lens = nullptr;
+  int32_t* graph_block_table = nullptr;
+
+  void validate_config();
+  void plan_batch(const ForwardBatch& batch, Stream stream);
+  void plan_decode_family(const ForwardBatch& batch, Stream stream);
+  void plan_extend(const ForwardBatch& batch, Stream stream);
+  void plan_fixed(const char* op, int bs, int64_t num_tokens, const TensorView& req_pool_indices,
+                  const TensorView& seq_lens, ForwardMode mode, Stream stream);
+  // The plan for a forward call: checks mode and batch size, re-plans when the batch grew.
+  const Plan& plan_for(const char* op, const ForwardBatch& batch, Stream stream);
+  void check_layer(const char* op, const LayerParams& layer) const;
+  // Queries per request of the fixed-length decode-family modes.
+  int fixed_q_len(const char* op, ForwardMode mode, int batch_num_draft_tokens) const;
+  void run_absorbed(const char* op, const ForwardBatch& batch, const LayerParams& layer,
+                    const AbsorbedAttentionArgs& args, const Plan& plan, Stream stream);
+  void run_new_token_attention(const char* op, const LayerParams& layer,
+                               const MhaAttentionArgs& args, const TensorView& out,
+                               const TensorView& lse, Stream stream);
+  void run_prefix_chunk_attention(const char* op, int chunk_idx, const LayerParams& layer,
+                                  const MhaAttentionArgs& args, const TensorView& out,
+                                  const TensorView& lse, Stream stream);
+  void check_mha(const char* op, const MhaAttentionArgs& args, int64_t num_q, int64_t num_kv,
+                 bool lse_required) const;
+  void check_chunk_index(const char* op, int chunk_idx) const;
+};
+
+}  // namespace mla
