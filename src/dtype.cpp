@@ -44,7 +44,7 @@ float bf16_to_float(uint16_t bits) { return bits_float(uint32_t(bits) << 16); }
 
 uint16_t float_to_bf16(float value) {
   uint32_t u = float_bits(value);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);  // quiet NaN, sign kept
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;  // canonical NaN, as CUDA
   uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);  // ties to even
   return uint16_t((u + rounding) >> 16);
 }
@@ -66,7 +66,7 @@ uint16_t float_to_fp16(float value) {
   uint32_t u = float_bits(value);
   uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));  // NaN
+  if (abs > 0x7f800000u) return 0x7fffu;  // canonical NaN, as CUDA
   if (abs >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520 -> inf
   int exp = int(abs >> 23) - 127;
   if (exp >= -14) {  // normal half
@@ -106,7 +106,7 @@ uint8_t float_to_fp8e4m3(float value) {
   uint32_t u = float_bits(value);
   uint8_t sign = uint8_t((u >> 24) & 0x80u);
   uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return uint8_t(sign | 0x7fu);  // NaN
+  if (abs > 0x7f800000u) return 0x7fu;  // canonical NaN, as CUDA
   float a = bits_float(abs);
   if (a >= 448.0f) return uint8_t(sign | 0x7eu);          // saturate (inf too)
   // Quantise to the e4m3 grid: spacing 2^(e-3) for normals (e >= -6), 2^-9 for subnormals.

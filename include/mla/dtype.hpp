@@ -2,9 +2,10 @@
 //
 // The conversions are bit-exact with CUDA's intrinsics (__float2bfloat16_rn, __float2half_rn,
 // __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)):
-//   * float -> bf16 / fp16: round to nearest, ties to even; NaN stays NaN; overflow gives inf.
+//   * float -> bf16 / fp16: round to nearest, ties to even; overflow gives inf; NaN gives the
+//     canonical NaN 0x7fff.
 //   * float -> fp8 e4m3: round to nearest even, saturating to ±448 (finite inputs and ±inf);
-//     NaN gives NaN (0x7f / 0xff).
+//     NaN gives the canonical NaN 0x7f.
 //   * narrow -> float: exact.
 #pragma once
 

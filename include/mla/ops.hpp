@@ -33,7 +33,9 @@ constexpr float kFp8E4M3Max = 448.0f;
 // ---------------------------------------------------------------------------------------------
 // 1. append_latent_kv: kv_cache[loc[t] / S, loc[t] % S, :] = (k_nope[t] | k_pe[t]) converted to
 //    the cache dtype. For an fp8 cache the stored value is saturate_fp8(x / k_scale), so that
-//    stored * k_scale approximates x. A negative loc skips that token (padding).
+//    stored * k_scale approximates x. loc -1 skips that token (padding). Any other value outside
+//    [0, P*S) is an error on the CPU (nothing is written); the CUDA kernel cannot report without
+//    a host sync, so it skips such tokens and never writes out of bounds.
 struct AppendLatentKvArgs {
   TensorView k_nope;    // [T, 512] bf16/fp16/fp32, inner stride 1
   TensorView k_pe;      // [T, 64]  same dtype as k_nope, inner stride 1
