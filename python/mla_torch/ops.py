@@ -1,0 +1,131 @@
+"""Python wrappers of torch.ops.mla.* with keyword arguments and optional output allocation.
+
+The registered ops are out= style (outputs are passed in and written in place, nothing is
+returned), which is what CUDA graphs and torch.compile want. These wrappers allocate the outputs
+that are not given and return them, which is what tests and simple callers want. Semantics of
+every op: include/mla/ops.hpp. LSE is ln(sum exp(scaled score)); a row with no key has output 0
+and LSE -inf.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._library import load_library
+
+load_library()
+
+Tensor = torch.Tensor
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+LATENT_DIM = KV_LORA_RANK + ROPE_DIM  # 576
+QK_NOPE_HEAD_DIM = 128
+QK_HEAD_DIM = QK_NOPE_HEAD_DIM + ROPE_DIM  # 192
+V_HEAD_DIM = 128
+FP8_E4M3_MAX = 448.0
+
+
+def append_latent_kv(k_nope: Tensor, k_pe: Tensor, loc: Tensor, kv_cache: Tensor,
+                     k_scale: float = 1.0) -> None:
+    """kv_cache[loc[t] // S, loc[t] % S] = k_nope[t] | k_pe[t] (quantised for an fp8 cache:
+    stored = saturate(x / k_scale)). loc < 0 skips the token."""
+    torch.ops.mla.append_latent_kv(k_nope, k_pe, loc, kv_cache, float(k_scale))
+
+
+def build_block_table(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor,
+                      page_size: int, block_table: Optional[Tensor] = None,
+                      max_blocks: Optional[int] = None) -> Tensor:
+    """block_table[b, j] = req_to_token[req_pool_indices[b], j * S] // S for the pages in use,
+    -1 after. Allocates [B, max_blocks] (default: the full width of req_to_token) if not given."""
+    if block_table is None:
+        if max_blocks is None:
+            max_blocks = -(-req_to_token.shape[1] // page_size)
+        block_table = torch.empty((req_pool_indices.shape[0], max_blocks), dtype=torch.int32,
+                                  device=req_to_token.device)
+    torch.ops.mla.build_block_table(req_to_token, req_pool_indices, seq_lens, int(page_size),
+                                    block_table)
+    return block_table
+
+
+def rope_quantize(q_nope: Tensor, q_pe: Tensor, cos_sin_cache: Tensor, positions: Tensor, *,
+                  k_nope: Optional[Tensor] = None, k_pe: Optional[Tensor] = None,
+                  is_neox: bool = True, q_out: Optional[Tensor] = None,
+                  q_out_dtype: Optional[torch.dtype] = None,
+                  k_nope_out: Optional[Tensor] = None, k_pe_out: Optional[Tensor] = None,
+                  k_out_dtype: Optional[torch.dtype] = None, q_scale: float = 1.0,
+                  k_scale: float = 1.0):
+    """Rotary embedding of q_pe (and k_pe), q_out = q_nope | rope(q_pe) (576 wide), optional fp8
+    outputs (stored = saturate(x / scale)). Returns (q_out, k_nope_out, k_pe_out); the k outputs
+    are None without k_nope."""
+    num_tokens, num_heads = q_nope.shape[0], q_nope.shape[1]
+    if q_out is None:
+        q_out = torch.empty((num_tokens, num_heads, LATENT_DIM),
+                            dtype=q_out_dtype or q_nope.dtype, device=q_nope.device)
+    if k_nope is not None:
+        k_dtype = k_out_dtype or k_nope.dtype
+        if k_nope_out is None:
+            k_nope_out = torch.empty((num_tokens, KV_LORA_RANK), dtype=k_dtype, device=k_nope.device)
+        if k_pe_out is None:
+            k_pe_out = torch.empty((num_tokens, ROPE_DIM), dtype=k_dtype, device=k_nope.device)
+    torch.ops.mla.rope_quantize(q_nope, q_pe, k_nope, k_pe, cos_sin_cache, positions,
+                                bool(is_neox), q_out, k_nope_out, k_pe_out, float(q_scale),
+                                float(k_scale))
+    return q_out, k_nope_out, k_pe_out
+
+
+def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_scale: float, *,
+               q: Optional[Tensor] = None, q_nope: Optional[Tensor] = None,
+               q_pe: Optional[Tensor] = None, cu_q_lens: Optional[Tensor] = None,
+               q_len: int = 1, max_q_len: int = 0, q_scale: float = 1.0, k_scale: float = 1.0,
+               out: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+               lse: Optional[Tensor] = None, return_lse: bool = False):
+    """Absorbed attention over the paged latent cache (causal for q_len > 1). Queries as q
+    [T, H, 576] or q_nope [T, H, 512] + q_pe [T, H, 64]. Returns out [T, H, 512], or (out, lse)
+    when return_lse or lse is given."""
+    ref = q if q is not None else q_nope
+    if ref is None:
+        raise ValueError("mla_decode: give q or q_nope and q_pe")
+    num_tokens, num_heads = ref.shape[0], ref.shape[1]
+    if out is None:
+        dtype = out_dtype or (torch.bfloat16 if ref.dtype == torch.float8_e4m3fn else ref.dtype)
+        out = torch.empty((num_tokens, num_heads, KV_LORA_RANK), dtype=dtype, device=ref.device)
+    if lse is None and return_lse:
+        lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=ref.device)
+    torch.ops.mla.mla_decode(q, q_nope, q_pe, kv_cache, block_table, kv_lens, cu_q_lens,
+                             int(q_len), int(max_q_len), float(softmax_scale), float(q_scale),
+                             float(k_scale), out, lse)
+    return (out, lse) if lse is not None else out
+
+
+def mha_prefill(q: Tensor, k: Tensor, v: Tensor, cu_q_lens: Tensor, cu_kv_lens: Tensor,
+                softmax_scale: float, *, max_q_len: int = 0, max_kv_len: int = 0,
+                causal: bool = True, q_scale: float = 1.0, k_scale: float = 1.0,
+                v_scale: float = 1.0, out: Optional[Tensor] = None,
+                out_dtype: Optional[torch.dtype] = None, lse: Optional[Tensor] = None,
+                return_lse: bool = False):
+    """Ragged non-absorbed attention (192-wide q/k, 128-wide v), causal bottom-right aligned.
+    Returns out [Tq, H, 128], or (out, lse) when return_lse or lse is given."""
+    if out is None:
+        dtype = out_dtype or (torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
+        out = torch.empty((q.shape[0], q.shape[1], V_HEAD_DIM), dtype=dtype, device=q.device)
+    if lse is None and return_lse:
+        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+    torch.ops.mla.mha_prefill(q, k, v, cu_q_lens, cu_kv_lens, int(max_q_len), int(max_kv_len),
+                              bool(causal), float(softmax_scale), float(q_scale), float(k_scale),
+                              float(v_scale), out, lse)
+    return (out, lse) if lse is not None else out
+
+
+def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *,
+                 out: Optional[Tensor] = None, lse_out: Optional[Tensor] = None):
+    """Combines two partial attentions over disjoint key sets by their LSE. out may be out_a or
+    out_b (in place). Returns (out, lse_out)."""
+    if out is None:
+        out = torch.empty_like(out_a)
+    if lse_out is None:
+        lse_out = torch.empty_like(lse_a)
+    torch.ops.mla.merge_states(out_a, lse_a, out_b, lse_b, out, lse_out)
+    return out, lse_out

@@ -1,0 +1,252 @@
+"""Each torch.ops.mla op against the naive references in mla_reference.py, on random data with
+NaN-poisoned unused cache slots and out-of-range padding page ids, on CPU and (when present) CUDA.
+
+Tolerances (every element: |got - ref| <= atol + rtol * |ref|), the references in float64 from the
+same rounded inputs the op sees:
+  bf16 outputs: atol 1e-2, rtol 1e-2 (bf16 has an 8-bit mantissa: half an ulp is 2^-9 relative)
+  fp16 outputs: atol 2e-3, rtol 2e-3;  fp32 outputs: atol 2e-4, rtol 2e-4
+  LSE (fp32):   atol 2e-3, rtol 1e-4 (scores from bf16/fp16 products, fp32 accumulation)
+  fp8 outputs are compared dequantised with rtol 1/8 (e4m3 has a 3-bit mantissa).
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import skip_if_not_implemented
+from mla_reference import (FP8, LATENT, NOPE, ROPE, assert_close, cdiv, make_cos_sin_cache,
+                           make_paged_cache, paged_gather, quantize, ref_mha_prefill,
+                           ref_mla_decode, ref_merge, ref_rope, to_f64)
+from mla_torch import ops
+
+TOL = {torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 2e-3), torch.float32: (2e-4, 2e-4)}
+LSE_TOL = (2e-3, 1e-4)
+
+
+def _call(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as err:
+        skip_if_not_implemented(err)
+
+
+# ---- append_latent_kv ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache_dtype,in_dtype,k_scale", [
+    (torch.bfloat16, torch.bfloat16, 1.0),
+    (torch.bfloat16, torch.float32, 1.0),
+    (torch.float16, torch.bfloat16, 1.0),
+    (FP8, torch.bfloat16, 1.0),
+    (FP8, torch.float32, 0.25),
+])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_append_latent_kv(device, gen, cache_dtype, in_dtype, k_scale, page_size):
+    num_tokens = 37
+    num_pages = max(7, cdiv(2 * num_tokens, page_size))
+    cache = torch.full((num_pages, page_size, LATENT), float("nan")).to(cache_dtype).to(device)
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens]
+    loc = slots.clone()
+    loc[::5] = -1  # skipped tokens
+    k_nope = (torch.randn(num_tokens, NOPE, generator=gen) * 3).to(in_dtype)
+    k_pe = (torch.randn(num_tokens, ROPE, generator=gen) * 3).to(in_dtype)
+    _call(ops.append_latent_kv, k_nope.to(device), k_pe.to(device), loc.to(device), cache, k_scale)
+
+    expected = torch.full((num_pages * page_size, LATENT), float("nan"), dtype=torch.float64)
+    keep = loc >= 0
+    values = torch.cat([k_nope, k_pe], dim=1)[keep]
+    expected[loc[keep]] = to_f64(quantize(values.float(), cache_dtype, k_scale))
+    assert_close(cache.view(-1, LATENT), expected, 0.0, 0.0, "kv_cache")
+
+
+def test_append_latent_kv_int32_loc_strided_inputs(device, gen):
+    cache = torch.full((4, 8, LATENT), float("nan"), dtype=torch.bfloat16, device=device)
+    both = torch.randn(5, 1000, generator=gen).to(torch.bfloat16).to(device)
+    k_nope, k_pe = both[:, :NOPE], both[:, 600:600 + ROPE]  # row stride 1000
+    loc = torch.tensor([3, 31, 0, 17, 8], dtype=torch.int32, device=device)
+    _call(ops.append_latent_kv, k_nope, k_pe, loc, cache)
+    flat = cache.view(-1, LATENT).cpu()
+    for t, slot in enumerate(loc.tolist()):
+        assert torch.equal(flat[slot, :NOPE], k_nope[t].cpu())
+        assert torch.equal(flat[slot, NOPE:], k_pe[t].cpu())
+    assert torch.isnan(flat[1].float()).all()
+
+
+# ---- build_block_table --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [1, 4, 64, 128])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_build_block_table(device, gen, page_size, index_dtype):
+    num_req_slots, max_context = 9, 300
+    # Each request slot owns whole pages (as a paged allocator gives them).
+    num_pages = num_req_slots * cdiv(max_context, page_size) + 5
+    perm = torch.randperm(num_pages, generator=gen)
+    pages_per_slot = cdiv(max_context, page_size)
+    req_to_token = torch.empty(num_req_slots, max_context, dtype=torch.int32)
+    for r in range(num_req_slots):
+        pages = perm[r * pages_per_slot:(r + 1) * pages_per_slot]
+        tokens = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)
+        req_to_token[r] = tokens[:max_context].to(torch.int32)
+    req_pool_indices = torch.tensor([4, 0, 8, 2, 7], dtype=index_dtype)
+    seq_lens = torch.tensor([0, 1, 299, page_size, 300], dtype=index_dtype)
+    max_blocks = cdiv(max_context, page_size) + 2
+    table = torch.full((5, max_blocks), 12345, dtype=torch.int32, device=device)
+    _call(ops.build_block_table, req_to_token.to(device), req_pool_indices.to(device),
+          seq_lens.to(device), page_size, table)
+    expected = torch.full((5, max_blocks), -1, dtype=torch.int32)
+    for b in range(5):
+        n = cdiv(int(seq_lens[b]), page_size)
+        r = int(req_pool_indices[b])
+        expected[b, :n] = req_to_token[r, torch.arange(n) * page_size] // page_size
+    assert torch.equal(table.cpu(), expected)
+
+
+# ---- rope_quantize ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("in_dtype,q_dtype,k_dtype,q_scale,k_scale", [
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16, 1.0, 1.0),
+    (torch.float16, torch.float16, torch.float16, 1.0, 1.0),
+    (torch.bfloat16, FP8, FP8, 0.5, 2.0),
+    (torch.float32, FP8, torch.bfloat16, 1.0, 1.0),
+])
+def test_rope_quantize(device, gen, is_neox, in_dtype, q_dtype, k_dtype, q_scale, k_scale):
+    num_tokens, num_heads, max_pos = 11, 12, 4096
+    q_nope = (torch.randn(num_tokens, num_heads, NOPE, generator=gen)).to(in_dtype)
+    q_pe = (torch.randn(num_tokens, num_heads, ROPE, generator=gen)).to(in_dtype)
+    k_nope = (torch.randn(num_tokens, NOPE, generator=gen)).to(in_dtype)
+    k_pe = (torch.randn(num_tokens, ROPE, generator=gen)).to(in_dtype)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+    cos_sin = make_cos_sin_cache(max_pos)
+    q_out, k_nope_out, k_pe_out = _call(
+        ops.rope_quantize, q_nope.to(device), q_pe.to(device), cos_sin.to(device),
+        positions.to(device), k_nope=k_nope.to(device), k_pe=k_pe.to(device), is_neox=is_neox,
+        q_out_dtype=q_dtype, k_out_dtype=k_dtype, q_scale=q_scale, k_scale=k_scale)
+
+    q_ref = torch.cat([to_f64(q_nope), ref_rope(to_f64(q_pe), cos_sin, positions, is_neox)], -1)
+    k_pe_ref = ref_rope(to_f64(k_pe), cos_sin, positions, is_neox)
+
+    def check(got, ref, dtype, scale, what):
+        if dtype == FP8:
+            assert_close(to_f64(got, scale), ref, 2e-2 * scale, 1 / 8, what)
+        else:
+            atol, rtol = TOL[dtype]
+            assert_close(got, ref, atol, rtol, what)
+
+    check(q_out, q_ref, q_dtype, q_scale, "q_out")
+    check(k_nope_out, to_f64(k_nope), k_dtype, k_scale, "k_nope_out")
+    check(k_pe_out, k_pe_ref, k_dtype, k_scale, "k_pe_out")
+
+
+# ---- mla_decode ---------------------------------------------------------------------------------
+
+DECODE_CASES = [
+    # heads, page_size, kv_lens, q_lens (None: q_len 1 per request), dtype
+    (1, 1, [1, 5, 17], None, torch.bfloat16),
+    (16, 16, [33, 1, 64, 100], None, torch.bfloat16),
+    (12, 64, [70, 130], [3, 3], torch.float16),
+    (24, 32, [5, 40, 2, 0], [3, 1, 4, 2], torch.bfloat16),     # var q, kv_len < q_len, empty
+    (128, 8, [9, 3], [2, 1], torch.bfloat16),
+    (16, 16, [50, 7, 31], None, FP8),
+    (16, 4, [20, 2, 13], [3, 2, 1], FP8),
+]
+
+
+@pytest.mark.parametrize("heads,page_size,kv_lens,q_lens,dtype", DECODE_CASES)
+@pytest.mark.parametrize("split_query", [False, True])
+def test_mla_decode(device, gen, heads, page_size, kv_lens, q_lens, dtype, split_query):
+    k_scale = 0.5 if dtype == FP8 else 1.0
+    q_scale = 0.25 if dtype == FP8 else 1.0
+    paged = make_paged_cache(kv_lens, page_size, dtype, device, gen, k_scale=k_scale)
+    fixed = q_lens is None or len(set(q_lens)) == 1  # same length: q_len, no cu_q_lens
+    lens = q_lens or [1] * len(kv_lens)
+    num_tokens = sum(lens)
+    q_f = torch.randn(num_tokens, heads, LATENT, generator=gen)
+    q = quantize(q_f, dtype, q_scale).to(device)
+    softmax_scale = 1.0 / math.sqrt(192)
+    out = torch.full((num_tokens, heads, NOPE), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((num_tokens, heads), float("nan"), device=device)
+    cu = None
+    if not fixed:
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+    kwargs = dict(cu_q_lens=cu, q_len=lens[0], max_q_len=max(lens), q_scale=q_scale,
+                  k_scale=k_scale, out=out, lse=lse)
+    if split_query:
+        kwargs.update(q_nope=q[..., :NOPE], q_pe=q[..., NOPE:])  # strided views, no copy
+    else:
+        kwargs.update(q=q)
+    _call(ops.mla_decode, paged.cache, paged.block_table, paged.kv_lens, softmax_scale, **kwargs)
+    out_ref, lse_ref = ref_mla_decode(q, paged, lens, softmax_scale, q_scale, k_scale)
+    assert_close(out, out_ref, *TOL[torch.bfloat16], "out")
+    assert_close(lse, lse_ref, *LSE_TOL, "lse")
+
+
+def test_mla_decode_fp32_output_and_strided(device, gen):
+    heads, kv_lens = 8, [19, 44]
+    paged = make_paged_cache(kv_lens, 16, torch.bfloat16, device, gen)
+    q_big = torch.randn(2, heads + 3, LATENT + 64, generator=gen).to(torch.bfloat16).to(device)
+    q = q_big[:, 1:heads + 1, 32:32 + LATENT]  # token and head strides not packed
+    out_big = torch.full((2, heads, 2 * NOPE), float("nan"), device=device)
+    out = out_big[:, :, :NOPE]
+    _call(ops.mla_decode, paged.cache, paged.block_table, paged.kv_lens, 0.1, q=q, out=out)
+    out_ref, _ = ref_mla_decode(q, paged, [1, 1], 0.1)
+    assert_close(out, out_ref, *TOL[torch.float32], "out")
+    assert torch.isnan(out_big[:, :, NOPE:]).all(), "wrote outside the output view"
+
+
+# ---- mha_prefill --------------------------------------------------------------------------------
+
+PREFILL_CASES = [
+    # heads, q_lens, kv_lens, causal, dtype
+    (1, [1, 7, 0, 16], [1, 7, 0, 16], True, torch.bfloat16),
+    (16, [5, 33], [5, 33], True, torch.bfloat16),
+    (12, [4, 9, 3], [20, 9, 1], True, torch.float16),      # kv longer (prefix) and shorter
+    (16, [6, 2], [40, 0], False, torch.bfloat16),           # prefix chunk: non-causal, empty kv
+    (128, [3, 2], [3, 5], True, torch.bfloat16),
+    (8, [7, 12], [7, 12], True, FP8),
+]
+
+
+@pytest.mark.parametrize("heads,q_lens,kv_lens,causal,dtype", PREFILL_CASES)
+def test_mha_prefill(device, gen, heads, q_lens, kv_lens, causal, dtype):
+    scales = (0.5, 0.25, 2.0) if dtype == FP8 else (1.0, 1.0, 1.0)
+    tq, tk = sum(q_lens), sum(kv_lens)
+    q = quantize(torch.randn(tq, heads, 192, generator=gen), dtype, scales[0]).to(device)
+    k = quantize(torch.randn(tk, heads, 192, generator=gen), dtype, scales[1]).to(device)
+    v = quantize(torch.randn(tk, heads, 128, generator=gen), dtype, scales[2]).to(device)
+    cu_q = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    cu_kv = torch.tensor([0] + torch.tensor(kv_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    softmax_scale = 1.0 / math.sqrt(192)
+    out, lse = _call(ops.mha_prefill, q, k, v, cu_q, cu_kv, softmax_scale, max_q_len=max(q_lens),
+                     max_kv_len=max(kv_lens), causal=causal, q_scale=scales[0],
+                     k_scale=scales[1], v_scale=scales[2], out_dtype=torch.bfloat16,
+                     return_lse=True)
+    out_ref, lse_ref = ref_mha_prefill(q, k, v, q_lens, kv_lens, softmax_scale, causal, *scales)
+    assert_close(out, out_ref, *TOL[torch.bfloat16], "out")
+    assert_close(lse, lse_ref, *LSE_TOL, "lse")
+
+
+# ---- merge_states -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_merge_states(device, gen, dtype, in_place):
+    tokens, heads, dim = 9, 16, 128
+    out_a = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    out_b = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    lse_a = torch.randn(tokens, heads, generator=gen) * 4
+    lse_b = torch.randn(tokens, heads, generator=gen) * 4
+    lse_a[0], lse_b[1] = -math.inf, -math.inf    # one side empty
+    lse_a[2], lse_b[2] = -math.inf, -math.inf    # both empty
+    out_a[0], out_b[1] = 0, 0
+    out_a[2], out_b[2] = 0, 0
+    out_ref, lse_ref = ref_merge(out_a, lse_a, out_b, lse_b)
+    a, la, b, lb = (t.to(device) for t in (out_a, lse_a, out_b, lse_b))
+    if in_place:
+        out, lse = ops.merge_states(a, la, b, lb, out=a, lse_out=la)
+        assert out.data_ptr() == a.data_ptr()
+    else:
+        out, lse = ops.merge_states(a, la, b, lb)
+    assert_close(out, out_ref, *TOL[dtype], "out")
+    assert_close(lse, lse_ref, 1e-5, 1e-5, "lse")
+    assert not torch.isnan(out.float()).any()
