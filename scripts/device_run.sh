@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# End-to-end run on a machine with an NVIDIA GPU (no internet needed):
+#   1. build     configure + ninja into build-device (sm_90a), or reuse BUILD_DIR=... as given
+#   2. gpu tests ctest -L gpu (or the gtest binary directly when the build folder was configured
+#                at another path, e.g. built elsewhere and copied here)
+#   3. memcheck  compute-sanitizer --tool memcheck over the GPU test binary
+#      racecheck compute-sanitizer --tool racecheck, on a reduced set (slow)
+#   4. bench     mla-bench --device cuda --sweep decode (and prefill when supported), JSON out
+#   5. summary   a table of step, result (PASS/FAIL/SKIP), seconds and counts, printed last
+# Logs and JSON go to ${OUT:-./device-out}. Exits non-zero when any step failed; the table is
+# printed in every case.
+#
+# Environment:
+#   BUILD_DIR              reuse this build folder (must contain tests/mla_gpu_tests)
+#   MLA_CUDA_ARCHS         architectures for a fresh build (default 90a)
+#   CTEST_JOBS             parallel ctest processes (default 4)
+#   GPU_TEST_FILTER        gtest filter for step 2 when the binary is run directly (default *)
+#   GPU_SANITIZE_FILTER    gtest filter for memcheck (default *: every GPU test)
+#   GPU_RACECHECK_FILTER   gtest filter for racecheck (default: the first test of every suite)
+#   SKIP_SANITIZERS=1, SKIP_BENCH=1   leave those steps out (reported as SKIP)
+#   SANITIZE_TIMEOUT_S, BENCH_TIMEOUT_S, TEST_TIMEOUT_S   per-step time limits in seconds
+set -euo pipefail
+
+SRC_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+OUT_DIR="${OUT:-./device-out}"
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd -P)"
+cd "$SRC_DIR"
+
+STEPS=() RESULTS=() SECONDS_TAKEN=() COUNTS=()
+record() {  # step result seconds counts
+  STEPS+=("$1") RESULTS+=("$2") SECONDS_TAKEN+=("$3") COUNTS+=("$4")
+}
+print_summary() {
+  local status=$? failed=0 i
+  echo
+  echo "==================== device run summary ($(date -u +%FT%TZ)) ===================="
+  printf '%-11s %-6s %8s  %s\n' "step" "result" "seconds" "counts"
+  printf '%-11s %-6s %8s  %s\n' "----" "------" "-------" "------"
+  for i in "${!STEPS[@]}"; do
+    printf '%-11s %-6s %8s  %s\n' "${STEPS[$i]}" "${RESULTS[$i]}" "${SECONDS_TAKEN[$i]}" "${COUNTS[$i]}"
+    [[ "${RESULTS[$i]}" == FAIL ]] && failed=1
+  done
+  if ((status != 0 && failed == 0)); then
+    printf '%-11s %-6s %8s  %s\n' "script" "FAIL" "-" "aborted with status $status (see $OUT_DIR)"
+    failed=1
+  fi
+  echo "logs: $OUT_DIR"
+  ((failed == 0)) || exit 1
+  exit 0
+}
+trap print_summary EXIT
+
+now() { date +%s; }
+find_tool() {  # name -> path, searching PATH then the CUDA toolkit
+  local t
+  t="$(command -v "$1" 2>/dev/null || true)"
+  [[ -z "$t" && -x "/usr/local/cuda/bin/$1" ]] && t="/usr/local/cuda/bin/$1"
+  if [[ -z "$t" ]]; then
+    for c in /usr/local/cuda-*/bin/"$1"; do [[ -x "$c" ]] && { t="$c"; break; }; done
+  fi
+  echo "$t"
+}
+
+# Counts from a gtest log: "P passed, F failed, S skipped".
+gtest_counts() {
+  local log="$1" passed failed skipped
+  passed="$(grep -Eo '^\[  PASSED  \] [0-9]+' "$log" | grep -Eo '[0-9]+$' | tail -1 || true)"
+  failed="$(grep -Eo '^\[  FAILED  \] [0-9]+ test' "$log" | grep -Eo '[0-9]+' | tail -1 || true)"
+  skipped="$(grep -Eo '^\[  SKIPPED \] [0-9]+ test' "$log" | grep -Eo '[0-9]+' | tail -1 || true)"
+  echo "${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped"
+}
+
+# ---- 1. build --------------------------------------------------------------------------------
+t0=$(now)
+if [[ -n "${BUILD_DIR:-}" ]]; then
+  BUILD_DIR="$(cd "$BUILD_DIR" 2>/dev/null && pwd -P || echo "$BUILD_DIR")"
+  if [[ -x "$BUILD_DIR/tests/mla_gpu_tests" ]]; then
+    record build SKIP 0 "reused BUILD_DIR=$BUILD_DIR"
+  else
+    record build FAIL 0 "BUILD_DIR=$BUILD_DIR has no tests/mla_gpu_tests"
+    exit 1
+  fi
+else
+  BUILD_DIR="$SRC_DIR/build-device"
+  rc=0
+  CMAKE="$(find_tool cmake)" NINJA="$(find_tool ninja)" NVCC="$(find_tool nvcc)"
+  if [[ -z "$CMAKE" || -z "$NINJA" || -z "$NVCC" ]]; then
+    echo "missing tools: cmake='$CMAKE' ninja='$NINJA' nvcc='$NVCC'" | tee "$OUT_DIR/build.log"
+    rc=1
+  else
+    {
+      "$CMAKE" -S "$SRC_DIR" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DMLA_ENABLE_CUDA=ON -DMLA_CUDA_ARCHS="${MLA_CUDA_ARCHS:-90a}" \
+        -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_MAKE_PROGRAM="$NINJA" &&
+        "$NINJA" -C "$BUILD_DIR" -j"$(nproc)"
+    } >"$OUT_DIR/build.log" 2>&1 || rc=$?
+  fi
+  warnings="$(grep -c 'warning' "$OUT_DIR/build.log" || true)"
+  if ((rc == 0)) && [[ -x "$BUILD_DIR/tests/mla_gpu_tests" ]]; then
+    record build PASS $(($(now) - t0)) "$BUILD_DIR, ${warnings:-0} warning lines"
+  else
+    tail -30 "$OUT_DIR/build.log" || true
+    record build FAIL $(($(now) - t0)) "exit $rc, see build.log"
+    exit 1
+  fi
+fi
+GPU_TESTS="$BUILD_DIR/tests/mla_gpu_tests"
+
+echo "== device"
+(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true) |
+  tee "$OUT_DIR/device.txt"
+
+# ---- 2. GPU tests ----------------------------------------------------------------------------
+t0=$(now)
+configured_src="$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null || true)"
+rc=0
+if [[ "$configured_src" == "$SRC_DIR" ]] && command -v ctest >/dev/null 2>&1; then
+  echo "== ctest -L gpu"
+  timeout "${TEST_TIMEOUT_S:-1800}" ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure \
+    -j "${CTEST_JOBS:-4}" --timeout 600 >"$OUT_DIR/gpu_tests.log" 2>&1 || rc=$?
+  summary_line="$(grep -E 'tests passed, [0-9]+ tests failed out of [0-9]+' "$OUT_DIR/gpu_tests.log" | tail -1 || true)"
+  total="$(grep -Eo 'out of [0-9]+' <<<"$summary_line" | grep -Eo '[0-9]+' || echo 0)"
+  nfailed="$(grep -Eo '[0-9]+ tests failed' <<<"$summary_line" | grep -Eo '^[0-9]+' || echo '?')"
+  nskipped="$(grep -c 'Skipped' "$OUT_DIR/gpu_tests.log" || true)"
+  counts="ctest: ${total:-0} tests, ${nfailed} failed, ${nskipped:-0} skipped"
+  if ((rc == 0)) && [[ "${total:-0}" == 0 ]]; then rc=1; fi  # no GPU tests found is a failure
+else
+  echo "== $GPU_TESTS (build folder configured at '${configured_src:-?}': running the binary directly)"
+  timeout "${TEST_TIMEOUT_S:-1800}" "$GPU_TESTS" --gtest_filter="${GPU_TEST_FILTER:-*}" \
+    --gtest_output="xml:$OUT_DIR/gpu_tests.xml" >"$OUT_DIR/gpu_tests.log" 2>&1 || rc=$?
+  counts="gtest: $(gtest_counts "$OUT_DIR/gpu_tests.log")"
+fi
+tail -25 "$OUT_DIR/gpu_tests.log" || true
+grep -h '^\[ info \]' "$OUT_DIR/gpu_tests.log" | head -20 || true
+record "gpu tests" "$( ((rc == 0)) && echo PASS || echo FAIL)" $(($(now) - t0)) "$counts"
+
+# ---- 3. compute-sanitizer --------------------------------------------------------------------
+SANITIZER="$(find_tool compute-sanitizer)"
+run_sanitizer() {  # tool filter
+  local tool="$1" filter="$2" log="$OUT_DIR/$1.log" rc=0 t0 errors
+  t0=$(now)
+  echo "== compute-sanitizer --tool $tool (filter $filter)"
+  timeout "${SANITIZE_TIMEOUT_S:-1800}" "$SANITIZER" --tool "$tool" --error-exitcode 1 \
+    "$GPU_TESTS" --gtest_filter="$filter" >"$log" 2>&1 || rc=$?
+  tail -8 "$log" || true
+  if [[ "$tool" == racecheck ]]; then
+    errors="$(grep -Eo 'RACECHECK SUMMARY: [0-9]+ hazard[s]? displayed \([0-9]+ error' "$log" | grep -Eo '[0-9]+ error' | grep -Eo '[0-9]+' | tail -1 || true)"
+  else
+    errors="$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log" | grep -Eo '[0-9]+' | tail -1 || true)"
+  fi
+  local note=""
+  ((rc == 124)) && note=", timed out"
+  record "$tool" "$( ((rc == 0)) && echo PASS || echo FAIL)" $(($(now) - t0)) \
+    "${errors:-?} errors; $(gtest_counts "$log")$note; filter $filter"
+}
+if [[ "${SKIP_SANITIZERS:-0}" == 1 ]]; then
+  record memcheck SKIP 0 "SKIP_SANITIZERS=1"
+  record racecheck SKIP 0 "SKIP_SANITIZERS=1"
+elif [[ -z "$SANITIZER" ]]; then
+  record memcheck SKIP 0 "compute-sanitizer not found"
+  record racecheck SKIP 0 "compute-sanitizer not found"
+else
+  run_sanitizer memcheck "${GPU_SANITIZE_FILTER:-*}"
+  if [[ -z "${GPU_RACECHECK_FILTER:-}" ]]; then
+    # The first test of every suite: each kernel family once, at a fraction of the full cost.
+    GPU_RACECHECK_FILTER="$("$GPU_TESTS" --gtest_list_tests --gtest_filter="${GPU_SANITIZE_FILTER:-*}" |
+      awk '/^[^ ]/ { suite = $1; first = 1; next } first && /^  / { print suite $1; first = 0 }' |
+      paste -sd: - || true)"
+  fi
+  run_sanitizer racecheck "${GPU_RACECHECK_FILTER:-*}"
+fi
+
+# ---- 4. mla-bench ----------------------------------------------------------------------------
+BENCH="$BUILD_DIR/tools/mla-bench"
+run_bench() {  # sweep json
+  local sweep="$1" json="$2" rc=0 t0
+  t0=$(now)
+  echo "== mla-bench --device cuda --sweep $sweep"
+  timeout "${BENCH_TIMEOUT_S:-1200}" "$BENCH" --device cuda --sweep "$sweep" --json "$json" \
+    >"$OUT_DIR/bench_$sweep.log" 2>&1 || rc=$?
+  tail -30 "$OUT_DIR/bench_$sweep.log" || true
+  record "bench $sweep" "$( ((rc == 0)) && [[ -s "$json" ]] && echo PASS || echo FAIL)" \
+    $(($(now) - t0)) "exit $rc, $(basename "$json") $( [[ -s "$json" ]] && wc -c <"$json" || echo 0) bytes"
+}
+if [[ "${SKIP_BENCH:-0}" == 1 ]]; then
+  record bench SKIP 0 "SKIP_BENCH=1"
+elif [[ ! -x "$BENCH" ]]; then
+  record bench SKIP 0 "no mla-bench in $BUILD_DIR/tools"
+else
+  run_bench decode "$OUT_DIR/h200.json"
+  bench_help="$("$BENCH" --help 2>&1 || true)"
+  if grep -Eq -e '^[[:space:]]+prefill[[:space:]]' -e '--sweep.*prefill' <<<"$bench_help"; then
+    run_bench prefill "$OUT_DIR/h200_prefill.json"
+  else
+    record "bench prefill" SKIP 0 "mla-bench has no prefill sweep"
+  fi
+fi
+
+# ---- 5. summary: printed by the EXIT trap ----------------------------------------------------
