@@ -1,5 +1,6 @@
 // mla-bench on a CUDA device: inputs generated on the host and copied, every run timed with CUDA
-// events, L2 flushed before each run, median of the timed runs. The same run measures the card's
+// events, L2 flushed before each run, median of the timed runs. Decode runs twice: with the
+// split-KV schedule ("mla-cuda") and without ("mla-cuda-unsplit"). The same run measures the card's
 // ceilings (a large cuBLAS bf16 GEMM, a large device-to-device copy) and, for decode, the naive
 // way a user would write it by hand:
 //   1. gather each request's pages into contiguous keys [B, kv, 576] bf16 (dequantised),
@@ -22,6 +23,7 @@
 #include "bench.hpp"
 #include "cuda/cuda_check.hpp"
 #include "mla/error.hpp"
+#include "mla/schedule.hpp"
 
 #define BENCH_CUBLAS_CHECK(expr)                                                          \
   do {                                                                                    \
@@ -241,7 +243,15 @@ class GpuRunner final : public Runner {
     const std::vector<int64_t> out_shape = {p.num_tokens(), c.heads, kKvLoraRank};
     std::vector<Measurement> results;
 
-    {
+    // The library op, with its split-KV schedule (planned once, outside the timed runs, as an
+    // engine plans once per step for all layers), and without one (each row tile on one CTA).
+    const DeviceMemory workspace(decode_workspace_bytes(c.batch, c.q_len, c.heads));
+    const DecodeSchedule schedule = make_decode_schedule(workspace.get(), workspace.bytes(),
+                                                         c.batch, c.q_len, c.heads);
+    const TensorView kv_lens_view =
+        TensorView::contiguous(kv_lens.get(), DType::kInt32, {c.batch}, Device::cuda(device_));
+    plan_decode(schedule, kv_lens_view, TensorView{}, c.q_len, c.q_len, stream_);
+    for (const DecodeSchedule* sched : {&schedule, static_cast<const DecodeSchedule*>(nullptr)}) {
       const DeviceMemory out = nan_output(out_bytes);
       DecodeBuffers buffers;
       buffers.q = q.get();
@@ -249,9 +259,10 @@ class GpuRunner final : public Runner {
       buffers.block_table = block_table.get();
       buffers.kv_lens = kv_lens.get();
       buffers.out = out.get();
-      const MlaDecodeArgs args = decode_args(p, buffers, Device::cuda(device_));
+      MlaDecodeArgs args = decode_args(p, buffers, Device::cuda(device_));
+      args.schedule = sched;
       Measurement m;
-      m.kernel = "mla-cuda";
+      m.kernel = sched ? "mla-cuda" : "mla-cuda-unsplit";
       m.time_us = time_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
       m.out = download(out, p.out_dtype, out_shape);
       results.push_back(std::move(m));

@@ -72,7 +72,7 @@ void print_header(std::FILE* f, const Report& r) {
 }
 
 void print_table_head(std::FILE* f, bool with_ceilings) {
-  std::fprintf(f, "%-8s %-13s %5s %5s %6s %5s %4s %-8s %11s %8s %8s", "op", "kernel", "heads",
+  std::fprintf(f, "%-8s %-16s %5s %5s %6s %5s %4s %-8s %11s %8s %8s", "op", "kernel", "heads",
                "batch", "kv_len", "q_len", "page", "dtype", "time_us", "TFLOP/s", "GB/s");
   if (with_ceilings) std::fprintf(f, " %9s %9s %8s", "frac_gemm", "frac_copy", "speedup");
   std::fprintf(f, " %11s\n", "max_rel_err");
@@ -85,7 +85,7 @@ void print_row(std::FILE* f, const Row& row, bool with_ceilings) {
   const int64_t kv_len = decode ? c.kv_len : prefill_mean_len(c);
   const int64_t q_len = decode ? c.q_len : prefill_mean_len(c);
   const std::string page = decode ? std::to_string(c.page_size) : "-";
-  std::fprintf(f, "%-8s %-13s %5d %5d %6lld %5lld %4s %-8s", op_name(c.op), row.kernel.c_str(),
+  std::fprintf(f, "%-8s %-16s %5d %5d %6lld %5lld %4s %-8s", op_name(c.op), row.kernel.c_str(),
                c.heads, c.batch, static_cast<long long>(kv_len), static_cast<long long>(q_len),
                page.c_str(), std::string(dtype_name(c.kv_dtype)).c_str());
   if (!row.error.empty()) {
