@@ -283,6 +283,7 @@ void Backend::Impl::plan_decode_family(const ForwardBatch& batch, Stream stream)
   table.page_size = config.page_size;
   table.block_table = p.block_table;
   build_block_table(table, stream);
+  attach_schedule(op, p, eager_schedule, true, stream);
   plan = std::move(p);
 }
 
@@ -396,6 +397,9 @@ void Backend::Impl::plan_extend(const ForwardBatch& batch, Stream stream) {
         detail::int32_view(base + at_chunk_cu[c], {int64_t(batch_size) + 1}, device);
     chunk.slots = detail::int32_view(base + at_slots + chunk.first_token, {chunk.num_tokens}, device);
   }
+  // The split-KV schedule only when the absorbed path is the planned one (without it the
+  // absorbed kernel still runs, unsplit).
+  if (ext.use_absorbed) attach_schedule(op, p, eager_schedule, true, stream);
   p.extend = std::move(ext);
   plan = std::move(p);
 }
@@ -442,6 +446,7 @@ void Backend::Impl::plan_fixed(const char* op, int bs, int64_t num_tokens,
     table.page_size = config.page_size;
     table.block_table = p.block_table;
     build_block_table(table, stream);
+    attach_schedule(op, p, graph_schedule, false, stream);
   }
   plan = std::move(p);
   planned = true;
@@ -480,6 +485,36 @@ void Backend::Impl::check_layer(const char* op, const LayerParams& layer) const 
             ") must be finite and > 0, got ", layer.k_scale);
   MLA_CHECK(finite_positive(layer.q_scale), op, ": layer.q_scale (layer ", layer.layer_id,
             ") must be finite and > 0, got ", layer.q_scale);
+}
+
+void Backend::Impl::reserve_schedule(ScheduleSlot& slot, int max_batch, int max_q_len,
+                                     Stream stream) {
+  if (config.device.type != DeviceType::kCUDA) return;
+  max_batch = std::max(max_batch, slot.ready ? slot.schedule.max_batch : 1);
+  max_q_len = std::max(max_q_len, slot.ready ? slot.schedule.max_q_len : 1);
+  const size_t bytes = decode_workspace_bytes(max_batch, max_q_len, config.num_q_heads);
+  slot.ready = false;
+  slot.buffer.reset();
+  slot.buffer = detail::Buffer(bytes, config.device, stream);
+  slot.schedule = make_decode_schedule(slot.buffer.data(), bytes, max_batch, max_q_len,
+                                       config.num_q_heads);
+  slot.ready = true;
+}
+
+void Backend::Impl::attach_schedule(const char* op, Plan& p, ScheduleSlot& slot, bool may_grow,
+                                    Stream stream) {
+  p.schedule = nullptr;
+  if (config.device.type != DeviceType::kCUDA || p.batch_size == 0) return;
+  const int q_rows = p.cu_q_lens.empty() ? p.q_len : p.max_q_len;
+  if (!slot.ready || slot.schedule.max_batch < p.batch_size || slot.schedule.max_q_len < q_rows) {
+    MLA_CHECK(may_grow, op, ": the CUDA-graph split-KV schedule holds ",
+              slot.ready ? slot.schedule.max_batch : 0, " requests of ",
+              slot.ready ? slot.schedule.max_q_len : 0, " queries, the batch needs ", p.batch_size,
+              " of ", q_rows, " (init_cuda_graph_state sizes it)");
+    reserve_schedule(slot, p.batch_size, q_rows, stream);
+  }
+  plan_decode(slot.schedule, p.kv_lens, p.cu_q_lens, p.q_len, p.max_q_len, stream);
+  p.schedule = &slot.schedule;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -742,6 +777,7 @@ void Backend::init_cuda_graph_state(int max_bs, int64_t max_num_tokens) {
   s.graph_max_bs = max_bs;
   s.graph_max_num_tokens = max_num_tokens;
   s.graph_max_blocks = width;
+  s.reserve_schedule(s.graph_schedule, max_bs, std::max(1, s.config.num_draft_tokens), nullptr);
 }
 
 void Backend::init_forward_metadata_capture_cuda_graph(int bs, int64_t num_tokens,

@@ -9,6 +9,7 @@
 #include "backend/memory.hpp"
 #include "mla/backend.hpp"
 #include "mla/error.hpp"
+#include "mla/schedule.hpp"
 
 namespace mla::detail {
 
@@ -58,6 +59,13 @@ class ScratchArena {
 
 namespace mla {
 
+// A GPU split-KV schedule (mla/schedule.hpp) and the device memory it lives in. Unused on the CPU.
+struct ScheduleSlot {
+  detail::Buffer buffer;
+  DecodeSchedule schedule;
+  bool ready = false;
+};
+
 struct Backend::Impl {
   BackendConfig config;
   std::shared_ptr<Workspace> workspace;
@@ -79,6 +87,10 @@ struct Backend::Impl {
   detail::Buffer graph_buffer;        // kv_lens [max_bs] | block_table [max_bs, graph_max_blocks]
   int32_t* graph_kv_lens = nullptr;
   int32_t* graph_block_table = nullptr;
+  // Split-KV schedules (CUDA): one for eager plans, one for the graph buffers, so that an eager
+  // re-plan never moves memory a captured graph reads.
+  ScheduleSlot eager_schedule;
+  ScheduleSlot graph_schedule;
 
   void validate_config();
   void plan_batch(const ForwardBatch& batch, Stream stream);
@@ -102,6 +114,11 @@ struct Backend::Impl {
   void check_mha(const char* op, const MhaAttentionArgs& args, int64_t num_q, int64_t num_kv,
                  bool lse_required) const;
   void check_chunk_index(const char* op, int chunk_idx) const;
+  // CUDA: (re)allocates `slot` for at least max_batch requests of max_q_len queries.
+  void reserve_schedule(ScheduleSlot& slot, int max_batch, int max_q_len, Stream stream);
+  // CUDA: plans the split-KV work of `p` (kv_lens, cu_q_lens) on the device and points
+  // p.schedule at it; grows the slot only when may_grow. No-op on the CPU.
+  void attach_schedule(const char* op, Plan& p, ScheduleSlot& slot, bool may_grow, Stream stream);
 };
 
 }  // namespace mla

@@ -65,6 +65,10 @@ void MultiStepDraftBackend::Impl::build_and_install(int bs, const TensorView& re
     p.max_q_len = 1;
     p.max_kv_len = std::min(max_context_len(), max_kv_len + (fixed_buffers ? 0 : i));
     Backend::Impl& step = *steps[size_t(i)].impl_;
+    step.attach_schedule(fixed_buffers ? "MultiStepDraftBackend (CUDA graph)"
+                                       : "MultiStepDraftBackend::init_forward_metadata",
+                         p, fixed_buffers ? step.graph_schedule : step.eager_schedule,
+                         !fixed_buffers, stream);
     step.plan = std::move(p);
     step.planned = true;
   }
@@ -219,6 +223,8 @@ void MultiStepDraftBackend::init_cuda_graph_state(int max_bs, int64_t max_num_to
   s.graph_max_bs = max_bs;
   s.graph_max_num_tokens = max_num_tokens;
   s.graph_max_blocks = width;
+  for (Backend& step : s.steps)
+    step.impl_->reserve_schedule(step.impl_->graph_schedule, max_bs, 1, nullptr);
 }
 
 void MultiStepDraftBackend::init_forward_metadata_capture_cuda_graph(
