@@ -203,7 +203,9 @@ class GpuRunner final : public Runner {
     MLA_CUDA_CHECK(cudaDriverGetVersion(&driver));
     MLA_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
     driver_ = "CUDA driver " + version_string(driver) + ", runtime " + version_string(runtime);
-    MLA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    // A blocking stream: it orders itself with the legacy default stream, on which the uploads,
+    // memsets and downloads (cudaMemcpy / cudaMemset) run.
+    MLA_CUDA_CHECK(cudaStreamCreate(&stream_));
     MLA_CUDA_CHECK(cudaEventCreate(&start_));
     MLA_CUDA_CHECK(cudaEventCreate(&stop_));
     BENCH_CUBLAS_CHECK(cublasCreate(&cublas_));
@@ -377,6 +379,7 @@ class GpuRunner final : public Runner {
   // returns the median event-timed duration of the timed runs in microseconds.
   template <typename Fn>
   double time_median_us(int warmup, int iters, Fn&& fn) {
+    MLA_CUDA_CHECK(cudaDeviceSynchronize());  // inputs in place before the first run
     for (int i = 0; i < warmup; ++i) {
       flush_l2();
       fn();
