@@ -38,6 +38,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <type_traits>
@@ -594,8 +595,14 @@ void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t str
             " bytes of shared memory per block, but device ", info.device, " allows ",
             info.max_smem_per_block_optin);
   auto kernel = mla_decode_kernel<T, kRowTiles>;
-  MLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(Traits::kSmemBytes)));
+  // Opt in to the large shared memory once per device (not on every launch).
+  static std::atomic<uint64_t> opted_in{0};
+  const uint64_t bit = uint64_t(1) << (info.device & 63);
+  if (!(opted_in.load(std::memory_order_acquire) & bit)) {
+    MLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        int(Traits::kSmemBytes)));
+    opted_in.fetch_or(bit, std::memory_order_acq_rel);
+  }
   kernel<<<grid, kThreads, Traits::kSmemBytes, stream>>>(params);
   MLA_CUDA_CHECK_LAUNCH();
 }

@@ -1,0 +1,942 @@
+// GPU tests of mla_decode (src/cuda/decode): the mma.sync kernel, the GPU split-KV schedule
+// (plan_decode), the combine kernel and CUDA-graph capture. Every element of out and lse is
+// checked against a float64 naive written here; one test also checks against the CPU
+// implementation through the public op.
+//
+// Inputs are random (q in [-q_range, q_range], cache values in [-1, 1] after dequantisation);
+// pages no request uses, the unused tail of the last page, padding between strided rows of q and
+// the whole output buffers are NaN-poisoned, and block-table padding holds -1 or out-of-range ids.
+//
+// Tolerances (|gpu - ref| <= atol + rtol * |ref|). The kernel computes scores and the softmax in
+// fp32 and rounds the weights P (in [0, 1]) to the compute dtype before P·V; the row sum uses the
+// rounded weights, so the output is a convex combination of values with weights off by at most
+// 2 * 2^-9 (bf16) or 2 * 2^-11 (fp16) relative -> absolute error <= 4e-3 (bf16) / 1e-3 (fp16)
+// for |v| <= 1, plus the rounding of the output to its dtype (2^-9 bf16, 2^-11 fp16 relative).
+//   bf16 compute (bf16 inputs, or fp8 query and cache): out atol 2e-2, rtol 2e-2
+//   fp16 compute: out atol 1e-2, rtol 1e-2
+//   lse (fp32 scores; ln of a row sum off by <= 2^-9 relative): atol 5e-3, rtol 1e-3
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "gpu_util.hpp"
+#include "mla/ops.hpp"
+#include "mla/schedule.hpp"
+
+namespace mla::test {
+namespace {
+
+constexpr int kDim = 576;
+constexpr int kVDim = 512;
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+struct Tolerance {
+  double atol, rtol;
+};
+Tolerance out_tolerance(DType q_dtype, DType kv_dtype) {
+  const bool fp16 = q_dtype == DType::kFP16 || kv_dtype == DType::kFP16;
+  return fp16 ? Tolerance{1e-2, 1e-2} : Tolerance{2e-2, 2e-2};
+}
+constexpr Tolerance kLseTolerance{5e-3, 1e-3};
+
+// Device memory freed on destruction.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) {
+    if (cudaMalloc(&ptr, n ? n : 16) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { cudaFree(ptr); }
+  void upload(const HostTensor& h) {
+    if (!h.bytes.empty() && cudaMemcpy(ptr, h.bytes.data(), h.bytes.size(), cudaMemcpyHostToDevice) != cudaSuccess)
+      throw std::runtime_error("cudaMemcpy H2D failed");
+  }
+  void download(HostTensor& h) const {
+    if (!h.bytes.empty() && cudaMemcpy(h.bytes.data(), ptr, h.bytes.size(), cudaMemcpyDeviceToHost) != cudaSuccess)
+      throw std::runtime_error("cudaMemcpy D2H failed");
+  }
+};
+
+// Runs fn(i) for i in [0, n) on all host cores.
+template <typename Fn>
+void parallel_for(int64_t n, Fn&& fn) {
+  const int threads = int(std::max(1u, std::min(32u, std::thread::hardware_concurrency())));
+  std::atomic<int64_t> next{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&] {
+      for (int64_t i = next++; i < n; i = next++) fn(i);
+    });
+  for (auto& th : pool) th.join();
+}
+
+// One decode problem: sizes, dtypes, layouts, and how to run it.
+struct DecodeCase {
+  int num_heads = 16;
+  int page_size = 64;
+  std::vector<int> kv_lens;
+  std::vector<int> q_lens;     // per request; all equal unless use_cu_q_lens
+  bool use_cu_q_lens = false;
+  DType q_dtype = DType::kBF16;
+  DType kv_dtype = DType::kBF16;
+  DType out_dtype = DType::kBF16;
+  bool split_q = false;        // q_nope + q_pe instead of one 576-wide q
+  int q_pad = 0;               // extra elements after every head row of q (and per token)
+  int out_pad = 0;             // extra elements after every head row of out (and per token)
+  bool with_lse = true;
+  bool use_schedule = true;
+  int num_parts = 0;           // 0: the SM count
+  float softmax_scale = 0.0721687836f;  // 1/sqrt(192)
+  float q_scale = 1.0f, k_scale = 1.0f;
+  float q_range = 2.0f;
+  int extra_pages = 3;         // pages no request uses
+  uint64_t seed = 1;
+
+  int batch() const { return int(kv_lens.size()); }
+  int num_tokens() const { return std::accumulate(q_lens.begin(), q_lens.end(), 0); }
+  int max_q_len() const { return std::max(1, *std::max_element(q_lens.begin(), q_lens.end())); }
+};
+
+DecodeCase fixed(int num_heads, int page_size, std::vector<int> kv_lens, int q_len = 1) {
+  DecodeCase c;
+  c.num_heads = num_heads;
+  c.page_size = page_size;
+  c.q_lens.assign(kv_lens.size(), q_len);
+  c.kv_lens = std::move(kv_lens);
+  return c;
+}
+
+// Host data of a case: logical tensors plus the (possibly strided, poisoned) buffers passed in.
+struct DecodeData {
+  DecodeCase c;
+  int64_t T = 0, H = 0, B = 0, P = 0, S = 0, max_blocks = 0;
+  std::vector<int> q_start;
+  HostTensor q_logical;   // [T, H, 576] in q dtype
+  HostTensor q_buf, q_pe_buf;  // storage as passed (q or q_nope, and q_pe when split)
+  int64_t q_stride_t = 0, q_stride_h = 0, q_pe_stride_t = 0, q_pe_stride_h = 0;
+  HostTensor cache;       // [P, S, 576]
+  HostTensor block_table, kv_lens, cu_q_lens;
+  HostTensor out_buf, lse_buf;
+  int64_t out_stride_t = 0, out_stride_h = 0, lse_stride_t = 0, lse_stride_h = 0;
+};
+
+DecodeData make_data(const DecodeCase& c) {
+  DecodeData d;
+  d.c = c;
+  d.B = c.batch();
+  d.H = c.num_heads;
+  d.S = c.page_size;
+  d.T = c.num_tokens();
+  std::mt19937_64 rng(c.seed);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  d.q_start.resize(size_t(d.B) + 1, 0);
+  for (int64_t b = 0; b < d.B; ++b) d.q_start[size_t(b) + 1] = d.q_start[size_t(b)] + c.q_lens[size_t(b)];
+
+  // Queries: logical values first (so layouts of one seed hold the same numbers), then scattered.
+  d.q_logical = HostTensor(c.q_dtype, {d.T, d.H, kDim});
+  const float q_div = c.q_dtype == DType::kFP8E4M3 ? c.q_scale : 1.0f;
+  for (int64_t i = 0; i < d.q_logical.numel(); ++i) d.q_logical.set(i, c.q_range * unit(rng) / q_div);
+  const size_t qe = dtype_size(c.q_dtype);
+  auto scatter = [&](HostTensor& buf, int64_t width, int64_t dim0, int64_t& st_t, int64_t& st_h) {
+    st_h = width + c.q_pad;
+    st_t = d.H * st_h + c.q_pad;
+    buf = HostTensor(c.q_dtype, {std::max<int64_t>(1, d.T * st_t)});
+    buf.fill_nan();
+    for (int64_t t = 0; t < d.T; ++t)
+      for (int64_t h = 0; h < d.H; ++h)
+        std::memcpy(static_cast<unsigned char*>(buf.data()) + (t * st_t + h * st_h) * qe,
+                    static_cast<const unsigned char*>(d.q_logical.data()) + ((t * d.H + h) * kDim + dim0) * qe,
+                    size_t(width) * qe);
+  };
+  if (c.split_q) {
+    scatter(d.q_buf, kVDim, 0, d.q_stride_t, d.q_stride_h);
+    scatter(d.q_pe_buf, kDim - kVDim, kVDim, d.q_pe_stride_t, d.q_pe_stride_h);
+  } else {
+    scatter(d.q_buf, kDim, 0, d.q_stride_t, d.q_stride_h);
+  }
+
+  // Pages: a random permutation of the pool over the requests' blocks; the rest unused.
+  int64_t used = 0;
+  for (int kv : c.kv_lens) {
+    used += (kv + d.S - 1) / d.S;
+    d.max_blocks = std::max<int64_t>(d.max_blocks, (kv + d.S - 1) / d.S);
+  }
+  d.max_blocks += 2;  // padding entries
+  d.P = used + c.extra_pages;
+  std::vector<int32_t> pages(size_t(d.P));
+  std::iota(pages.begin(), pages.end(), 0);
+  std::shuffle(pages.begin(), pages.end(), rng);
+  d.block_table = HostTensor(DType::kInt32, {d.B, d.max_blocks});
+  d.cache = HostTensor(c.kv_dtype, {d.P, d.S, kDim});
+  d.cache.fill_nan();
+  const float k_div = c.kv_dtype == DType::kFP8E4M3 ? c.k_scale : 1.0f;
+  size_t next_page = 0;
+  for (int64_t b = 0; b < d.B; ++b) {
+    const int kv = c.kv_lens[size_t(b)];
+    const int64_t blocks = (kv + d.S - 1) / d.S;
+    for (int64_t j = 0; j < d.max_blocks; ++j) {
+      if (j < blocks) {
+        d.block_table.i32(b * d.max_blocks + j) = pages[next_page++];
+      } else {
+        d.block_table.i32(b * d.max_blocks + j) = (j % 2) ? -1 : int32_t(d.P + 1000 + j);
+      }
+    }
+    for (int64_t key = 0; key < kv; ++key) {
+      const int64_t page = d.block_table.i32(b * d.max_blocks + key / d.S);
+      const int64_t row = (page * d.S + key % d.S) * kDim;
+      for (int64_t e = 0; e < kDim; ++e) d.cache.set(row + e, unit(rng) / k_div);
+    }
+  }
+  d.kv_lens = int32_tensor(std::vector<int32_t>(c.kv_lens.begin(), c.kv_lens.end()));
+  d.cu_q_lens = int32_tensor(std::vector<int32_t>(d.q_start.begin(), d.q_start.end()));
+
+  // Outputs, NaN-poisoned, with padding between rows when asked.
+  d.out_stride_h = kVDim + c.out_pad;
+  d.out_stride_t = d.H * d.out_stride_h + c.out_pad;
+  d.out_buf = HostTensor(c.out_dtype, {std::max<int64_t>(1, d.T * d.out_stride_t)});
+  d.out_buf.fill_nan();
+  d.lse_stride_h = c.out_pad ? 2 : 1;
+  d.lse_stride_t = d.H * d.lse_stride_h + (c.out_pad ? 3 : 0);
+  d.lse_buf = HostTensor(DType::kFP32, {std::max<int64_t>(1, d.T * d.lse_stride_t)});
+  d.lse_buf.fill_nan();
+  return d;
+}
+
+// float64 naive: out [T, H, 512] and lse [T, H].
+struct Reference {
+  std::vector<double> out, lse;
+};
+Reference reference(const DecodeData& d) {
+  const DecodeCase& c = d.c;
+  const double qs = c.q_dtype == DType::kFP8E4M3 ? c.q_scale : 1.0;
+  const double ks = c.kv_dtype == DType::kFP8E4M3 ? c.k_scale : 1.0;
+  // Keys of each request as stored values (float, exact), gathered through the block table.
+  std::vector<std::vector<float>> keys(size_t(d.B));
+  for (int64_t b = 0; b < d.B; ++b) {
+    const int kv = c.kv_lens[size_t(b)];
+    keys[size_t(b)].resize(size_t(kv) * kDim);
+    for (int64_t key = 0; key < kv; ++key) {
+      const int64_t page = d.block_table.i32(b * d.max_blocks + key / d.S);
+      const int64_t row = (page * d.S + key % d.S) * kDim;
+      for (int64_t e = 0; e < kDim; ++e) keys[size_t(b)][size_t(key * kDim + e)] = d.cache.get(row + e);
+    }
+  }
+  std::vector<int> request_of(size_t(d.T));
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int t = d.q_start[size_t(b)]; t < d.q_start[size_t(b) + 1]; ++t) request_of[size_t(t)] = int(b);
+  Reference ref;
+  ref.out.assign(size_t(d.T * d.H * kVDim), 0.0);
+  ref.lse.assign(size_t(d.T * d.H), kNegInf);
+  parallel_for(d.T * d.H, [&](int64_t row) {
+    const int64_t t = row / d.H;
+    const int b = request_of[size_t(t)];
+    const int kv = c.kv_lens[size_t(b)];
+    const int q_len = c.q_lens[size_t(b)];
+    const int64_t i = t - d.q_start[size_t(b)];
+    const int64_t n = std::clamp<int64_t>(kv - q_len + i + 1, 0, kv);
+    if (n == 0) return;
+    std::vector<double> q(kDim);
+    std::vector<double> s(static_cast<size_t>(n));
+    for (int e = 0; e < kDim; ++e) q[size_t(e)] = double(d.q_logical.get(row * kDim + e)) * qs;
+    const float* kb = keys[size_t(b)].data();
+    double m = kNegInf;
+    for (int64_t j = 0; j < n; ++j) {
+      double acc = 0;
+      for (int e = 0; e < kDim; ++e) acc += q[size_t(e)] * double(kb[j * kDim + e]);
+      s[size_t(j)] = acc * ks * double(c.softmax_scale);
+      m = std::max(m, s[size_t(j)]);
+    }
+    double sum = 0;
+    double* o = &ref.out[size_t(row * kVDim)];
+    for (int64_t j = 0; j < n; ++j) {
+      const double p = std::exp(s[size_t(j)] - m);
+      sum += p;
+      for (int e = 0; e < kVDim; ++e) o[e] += p * double(kb[j * kDim + e]) * ks;
+    }
+    for (int e = 0; e < kVDim; ++e) o[e] /= sum;
+    ref.lse[size_t(row)] = m + std::log(sum);
+  });
+  return ref;
+}
+
+// The outputs of one run, as logical [T, H, 512] / [T, H] floats, plus stray-write counts.
+struct DecodeResult {
+  std::vector<float> out, lse;
+  int64_t stray_out = 0, stray_lse = 0;  // padding elements that lost their NaN
+};
+
+DecodeResult gather(const DecodeData& d, const HostTensor& out_buf, const HostTensor& lse_buf) {
+  DecodeResult r;
+  std::vector<char> is_elem(size_t(out_buf.numel()), 0), is_lse(size_t(lse_buf.numel()), 0);
+  r.out.resize(size_t(d.T * d.H * kVDim));
+  r.lse.resize(size_t(d.T * d.H));
+  for (int64_t t = 0; t < d.T; ++t)
+    for (int64_t h = 0; h < d.H; ++h) {
+      for (int64_t e = 0; e < kVDim; ++e) {
+        const int64_t idx = t * d.out_stride_t + h * d.out_stride_h + e;
+        r.out[size_t((t * d.H + h) * kVDim + e)] = out_buf.get(idx);
+        is_elem[size_t(idx)] = 1;
+      }
+      const int64_t li = t * d.lse_stride_t + h * d.lse_stride_h;
+      r.lse[size_t(t * d.H + h)] = lse_buf.get(li);
+      is_lse[size_t(li)] = 1;
+    }
+  if (d.T > 0) {
+    for (int64_t i = 0; i < out_buf.numel(); ++i)
+      if (!is_elem[size_t(i)] && !std::isnan(out_buf.get(i))) ++r.stray_out;
+    for (int64_t i = 0; i < lse_buf.numel(); ++i)
+      if (!is_lse[size_t(i)] && !std::isnan(lse_buf.get(i))) ++r.stray_lse;
+  }
+  return r;
+}
+
+// Builds the op's arguments over the given storage (host or device pointers).
+MlaDecodeArgs make_args(const DecodeData& d, Device dev, void* q, void* q_pe, void* cache, void* bt,
+                        void* kv_lens, void* cu, void* out, void* lse) {
+  const DecodeCase& c = d.c;
+  MlaDecodeArgs a;
+  if (c.split_q) {
+    a.q_nope = TensorView::strided(q, c.q_dtype, {d.T, d.H, kVDim}, {d.q_stride_t, d.q_stride_h, 1}, dev);
+    a.q_pe = TensorView::strided(q_pe, c.q_dtype, {d.T, d.H, kDim - kVDim},
+                                 {d.q_pe_stride_t, d.q_pe_stride_h, 1}, dev);
+  } else {
+    a.q = TensorView::strided(q, c.q_dtype, {d.T, d.H, kDim}, {d.q_stride_t, d.q_stride_h, 1}, dev);
+  }
+  a.kv_cache = TensorView::contiguous(cache, c.kv_dtype, {d.P, d.S, kDim}, dev);
+  a.block_table = TensorView::contiguous(bt, DType::kInt32, {d.B, d.max_blocks}, dev);
+  a.kv_lens = TensorView::contiguous(kv_lens, DType::kInt32, {d.B}, dev);
+  if (c.use_cu_q_lens) {
+    a.cu_q_lens = TensorView::contiguous(cu, DType::kInt32, {d.B + 1}, dev);
+    a.max_q_len = c.max_q_len();
+  } else {
+    a.q_len = c.q_lens.empty() ? 1 : c.q_lens[0];
+  }
+  a.softmax_scale = c.softmax_scale;
+  a.q_scale = c.q_scale;
+  a.k_scale = c.k_scale;
+  a.out = TensorView::strided(out, c.out_dtype, {d.T, d.H, kVDim}, {d.out_stride_t, d.out_stride_h, 1}, dev);
+  if (c.with_lse)
+    a.lse = TensorView::strided(lse, DType::kFP32, {d.T, d.H}, {d.lse_stride_t, d.lse_stride_h}, dev);
+  return a;
+}
+
+// Device copies of a case's buffers.
+struct DeviceData {
+  DeviceBuffer q, q_pe, cache, bt, kv_lens, cu, out, lse;
+  explicit DeviceData(const DecodeData& d)
+      : q(d.q_buf.bytes.size()), q_pe(d.q_pe_buf.bytes.size()), cache(d.cache.bytes.size()),
+        bt(d.block_table.bytes.size()), kv_lens(d.kv_lens.bytes.size()), cu(d.cu_q_lens.bytes.size()),
+        out(d.out_buf.bytes.size()), lse(d.lse_buf.bytes.size()) {
+    q.upload(d.q_buf);
+    q_pe.upload(d.q_pe_buf);
+    cache.upload(d.cache);
+    bt.upload(d.block_table);
+    kv_lens.upload(d.kv_lens);
+    cu.upload(d.cu_q_lens);
+    out.upload(d.out_buf);  // NaN
+    lse.upload(d.lse_buf);
+  }
+  MlaDecodeArgs args(const DecodeData& d) {
+    return make_args(d, Device::cuda(0), q.ptr, q_pe.ptr, cache.ptr, bt.ptr, kv_lens.ptr, cu.ptr,
+                     out.ptr, lse.ptr);
+  }
+};
+
+// A schedule with its own workspace.
+struct OwnedSchedule {
+  std::unique_ptr<DeviceBuffer> ws;
+  DecodeSchedule schedule;
+  OwnedSchedule(int max_batch, int max_q_len, int num_heads, int num_parts = 0) {
+    const size_t bytes = decode_workspace_bytes(max_batch, max_q_len, num_heads, num_parts);
+    ws = std::make_unique<DeviceBuffer>(bytes);
+    schedule = make_decode_schedule(ws->ptr, bytes, max_batch, max_q_len, num_heads, num_parts);
+  }
+};
+
+void plan_for(const DecodeSchedule& s, const MlaDecodeArgs& a, const DecodeCase& c, Stream stream) {
+  plan_decode(s, a.kv_lens, a.cu_q_lens, c.use_cu_q_lens ? 0 : a.q_len,
+              c.use_cu_q_lens ? a.max_q_len : 0, stream);
+}
+
+// Runs a case on the GPU (with a schedule when asked) and returns its outputs.
+DecodeResult run_gpu(const DecodeData& d) {
+  DeviceData dev(d);
+  MlaDecodeArgs a = dev.args(d);
+  std::unique_ptr<OwnedSchedule> sched;
+  if (d.c.use_schedule) {
+    sched = std::make_unique<OwnedSchedule>(std::max<int>(1, int(d.B)), d.c.max_q_len(), int(d.H),
+                                            d.c.num_parts);
+    plan_for(sched->schedule, a, d.c, nullptr);
+    a.schedule = &sched->schedule;
+  }
+  mla_decode(a, nullptr);
+  if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error("decode kernel failed");
+  HostTensor out = d.out_buf, lse = d.lse_buf;
+  dev.out.download(out);
+  dev.lse.download(lse);
+  return gather(d, out, lse);
+}
+
+// Checks every element of a run against the float64 reference (and that nothing outside the
+// logical output was written).
+void expect_matches(const DecodeData& d, const DecodeResult& r, const Reference& ref) {
+  const Tolerance tol = out_tolerance(d.c.q_dtype, d.c.kv_dtype);
+  EXPECT_TRUE(all_close(r.out, ref.out, tol.atol, tol.rtol)) << "out";
+  if (d.c.with_lse) {
+    EXPECT_TRUE(all_close(r.lse, ref.lse, kLseTolerance.atol, kLseTolerance.rtol)) << "lse";
+  }
+  EXPECT_EQ(r.stray_out, 0) << "elements written outside out's rows";
+  EXPECT_EQ(r.stray_lse, 0) << "elements written outside lse's rows";
+}
+
+std::string describe(const DecodeCase& c) {
+  std::ostringstream os;
+  os << "H=" << c.num_heads << " S=" << c.page_size << " B=" << c.batch() << " q "
+     << dtype_name(c.q_dtype) << (c.split_q ? " split" : "") << " pad " << c.q_pad << ", kv "
+     << dtype_name(c.kv_dtype) << ", out " << dtype_name(c.out_dtype) << " pad " << c.out_pad
+     << (c.use_cu_q_lens ? ", cu_q_lens" : ", fixed q_len") << " max_q_len " << c.max_q_len()
+     << (c.use_schedule ? ", schedule parts " + std::to_string(c.num_parts) : ", no schedule")
+     << ", kv_lens {";
+  for (size_t i = 0; i < c.kv_lens.size() && i < 12; ++i) os << (i ? "," : "") << c.kv_lens[i];
+  if (c.kv_lens.size() > 12) os << ",...";
+  os << "}";
+  return os.str();
+}
+
+// Runs a case against the reference; with `both_modes`, with and without a schedule.
+void check_case(DecodeCase c, bool both_modes = false) {
+  const DecodeData d = make_data(c);
+  const Reference ref = reference(d);
+  for (int mode = 0; mode < (both_modes ? 2 : 1); ++mode) {
+    DecodeData dm = d;
+    if (both_modes) dm.c.use_schedule = mode == 1;
+    SCOPED_TRACE(describe(dm.c));
+    expect_matches(dm, run_gpu(dm), ref);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(GpuDecode, AllPageSizes) {
+  MLA_REQUIRE_GPU();
+  for (int s = 1; s <= 128; s *= 2) {
+    DecodeCase c = fixed(16, s, {1, 37, s, 2 * s + 1, 300, 64});
+    c.seed = uint64_t(s);
+    check_case(c, /*both_modes=*/true);
+  }
+}
+
+TEST(GpuDecode, HeadCounts) {
+  MLA_REQUIRE_GPU();
+  for (int h : {1, 8, 12, 16, 24, 32, 64, 96, 128}) {
+    DecodeCase c = fixed(h, 32, {0, 1, 63, 64, 65, 200, 511});
+    c.seed = uint64_t(100 + h);
+    check_case(c, /*both_modes=*/true);
+  }
+}
+
+TEST(GpuDecode, FixedQueryLengthsCausal) {
+  MLA_REQUIRE_GPU();
+  for (int q_len : {2, 3, 5, 8}) {
+    for (int h : {16, 128, 12}) {
+      // kv_len < q_len gives rows with no key (out 0, lse -inf).
+      DecodeCase c = fixed(h, 16, {0, 1, 3, 7, 8, 100, 257}, q_len);
+      c.seed = uint64_t(1000 + 10 * q_len + h);
+      check_case(c, /*both_modes=*/true);
+    }
+  }
+}
+
+TEST(GpuDecode, VariableQueryLengths) {
+  MLA_REQUIRE_GPU();
+  for (int h : {12, 16, 96}) {
+    DecodeCase c;
+    c.num_heads = h;
+    c.page_size = 8;
+    c.q_lens = {3, 0, 1, 5, 2, 8, 1, 4};
+    c.kv_lens = {10, 5, 0, 4, 300, 8, 1000, 2};
+    c.use_cu_q_lens = true;
+    c.seed = uint64_t(2000 + h);
+    check_case(c, /*both_modes=*/true);
+  }
+}
+
+TEST(GpuDecode, SplitQueryEqualsFusedQuery) {
+  MLA_REQUIRE_GPU();
+  DecodeCase c = fixed(24, 16, {5, 77, 130, 1});
+  c.seed = 77;
+  const DecodeData fused = make_data(c);
+  c.split_q = true;
+  const DecodeData split = make_data(c);
+  const Reference ref = reference(fused);
+  const DecodeResult a = run_gpu(fused), b = run_gpu(split);
+  expect_matches(fused, a, ref);
+  expect_matches(split, b, ref);
+  // Same numbers in, same kernel path: bit-identical out.
+  EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)));
+}
+
+TEST(GpuDecode, StridedQueryOutputAndLse) {
+  MLA_REQUIRE_GPU();
+  struct Layout {
+    bool split;
+    int q_pad, out_pad;
+    DType out;
+  };
+  // Pads of 8 keep 16-byte rows (vector path); 3 and 1 force the element-wise paths.
+  for (Layout l : {Layout{false, 8, 8, DType::kBF16}, Layout{true, 8, 8, DType::kFP32},
+                   Layout{false, 3, 1, DType::kBF16}, Layout{true, 3, 1, DType::kFP16},
+                   Layout{false, 0, 1, DType::kFP32}}) {
+    DecodeCase c = fixed(16, 32, {33, 129, 0, 64});
+    c.split_q = l.split;
+    c.q_pad = l.q_pad;
+    c.out_pad = l.out_pad;
+    c.out_dtype = l.out;
+    c.seed = uint64_t(3000 + l.q_pad * 10 + l.out_pad);
+    check_case(c, /*both_modes=*/true);
+    // Also with 64-row tiles and a query length above 1.
+    c = fixed(96, 32, {33, 129, 0, 64}, 2);
+    c.split_q = l.split;
+    c.q_pad = l.q_pad;
+    c.out_pad = l.out_pad;
+    c.out_dtype = l.out;
+    c.seed = uint64_t(3100 + l.q_pad * 10 + l.out_pad);
+    check_case(c, /*both_modes=*/true);
+  }
+}
+
+TEST(GpuDecode, CacheAndQueryDtypes) {
+  MLA_REQUIRE_GPU();
+  struct Types {
+    DType q, kv, out;
+    float q_scale, k_scale;
+  };
+  for (Types t : {Types{DType::kBF16, DType::kBF16, DType::kBF16, 1.0f, 1.0f},
+                  Types{DType::kFP16, DType::kFP16, DType::kFP16, 1.0f, 1.0f},
+                  Types{DType::kFP16, DType::kFP16, DType::kFP32, 1.0f, 1.0f},
+                  Types{DType::kBF16, DType::kFP8E4M3, DType::kBF16, 1.0f, 0.0125f},
+                  Types{DType::kFP16, DType::kFP8E4M3, DType::kFP32, 1.0f, 0.0125f},
+                  Types{DType::kFP8E4M3, DType::kFP8E4M3, DType::kBF16, 0.02f, 0.0125f},
+                  Types{DType::kFP8E4M3, DType::kFP8E4M3, DType::kFP32, 0.5f, 1.5f}}) {
+    for (int h : {16, 128}) {
+      DecodeCase c = fixed(h, 64, {1, 64, 129, 700, 0});
+      c.q_dtype = t.q;
+      c.kv_dtype = t.kv;
+      c.out_dtype = t.out;
+      c.q_scale = t.q_scale;
+      c.k_scale = t.k_scale;
+      c.seed = uint64_t(4000 + h + int(t.q) * 7 + int(t.kv) * 3);
+      check_case(c, /*both_modes=*/true);
+      c.split_q = true;  // fp8 split rows too
+      c.q_pad = t.q == DType::kFP8E4M3 ? 16 : 8;
+      check_case(c);
+    }
+  }
+}
+
+TEST(GpuDecode, KvLengthEdges) {
+  MLA_REQUIRE_GPU();
+  check_case(fixed(16, 64, {0, 0, 0}), true);  // nothing to attend: out 0, lse -inf
+  check_case(fixed(128, 64, {0}), true);
+  check_case(fixed(16, 4, {1}), true);
+  check_case(fixed(16, 64, {63, 64, 65, 127, 128, 129, 4096, 4097}), true);
+  check_case(fixed(128, 128, {1, 2, 3, 5, 4095, 511, 512, 513}), true);
+}
+
+TEST(GpuDecode, LongRequestSplitOverManyCtas) {
+  MLA_REQUIRE_GPU();
+  {
+    DecodeCase c = fixed(16, 64, {32768});
+    c.seed = 5001;
+    check_case(c, /*both_modes=*/true);
+    c.num_parts = 7;  // an odd number of CTAs
+    c.page_size = 1;
+    check_case(c);
+  }
+  {
+    DecodeCase c = fixed(128, 32, {8192}, 2);
+    c.seed = 5002;
+    check_case(c, /*both_modes=*/true);
+  }
+  {
+    // One long request among short ones, variable query lengths.
+    DecodeCase c;
+    c.num_heads = 24;
+    c.page_size = 128;
+    c.kv_lens = {20000, 3, 1, 0, 77};
+    c.q_lens = {4, 1, 2, 3, 1};
+    c.use_cu_q_lens = true;
+    c.seed = 5003;
+    check_case(c, /*both_modes=*/true);
+  }
+}
+
+TEST(GpuDecode, Batch256ShortKv) {
+  MLA_REQUIRE_GPU();
+  std::mt19937 rng(6000);
+  for (int h : {16, 128}) {
+    std::vector<int> kv(256);
+    for (int& k : kv) k = int(rng() % 41);  // 0..40
+    DecodeCase c = fixed(h, 16, kv);
+    c.seed = uint64_t(6000 + h);
+    check_case(c, /*both_modes=*/true);
+  }
+  std::vector<int> kv(256);
+  for (int& k : kv) k = 1 + int(rng() % 300);
+  DecodeCase c = fixed(8, 32, kv, 3);
+  c.seed = 6100;
+  c.num_parts = 5;
+  check_case(c);
+}
+
+TEST(GpuDecode, PeakySoftmax) {
+  MLA_REQUIRE_GPU();
+  // Large scores: a few keys dominate, so the running max matters.
+  DecodeCase c = fixed(64, 16, {1000, 3, 257});
+  c.softmax_scale = 0.5f;
+  c.q_range = 3.0f;
+  c.seed = 7000;
+  check_case(c, /*both_modes=*/true);
+}
+
+TEST(GpuDecode, RepeatedRunsAreBitIdentical) {
+  MLA_REQUIRE_GPU();
+  DecodeCase c = fixed(128, 64, {5000, 17, 900});
+  c.seed = 7100;
+  const DecodeData d = make_data(c);
+  const DecodeResult a = run_gpu(d), b = run_gpu(d);
+  EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)));
+}
+
+TEST(GpuDecode, MatchesCpuImplementation) {
+  MLA_REQUIRE_GPU();
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+    DecodeCase c;
+    c.num_heads = 32;
+    c.page_size = 16;
+    c.kv_lens = {300, 0, 45, 1, 1024};
+    c.q_lens = {2, 1, 3, 1, 4};
+    c.use_cu_q_lens = true;
+    c.kv_dtype = kv;
+    c.k_scale = kv == DType::kFP8E4M3 ? 0.02f : 1.0f;
+    c.out_dtype = DType::kFP32;
+    c.seed = 7200 + int(kv);
+    DecodeData d = make_data(c);
+    HostTensor cpu_out = d.out_buf, cpu_lse = d.lse_buf, q = d.q_buf, q_pe = d.q_pe_buf,
+               cache = d.cache, bt = d.block_table, kvl = d.kv_lens, cu = d.cu_q_lens;
+    MlaDecodeArgs a = make_args(d, Device::cpu(), q.data(), q_pe.data(), cache.data(), bt.data(),
+                                kvl.data(), cu.data(), cpu_out.data(), cpu_lse.data());
+    mla_decode(a);
+    const DecodeResult cpu = gather(d, cpu_out, cpu_lse);
+    const DecodeResult gpu = run_gpu(d);
+    std::vector<double> cpu_out_d(cpu.out.begin(), cpu.out.end()), cpu_lse_d(cpu.lse.begin(), cpu.lse.end());
+    const Tolerance tol = out_tolerance(c.q_dtype, c.kv_dtype);
+    EXPECT_TRUE(all_close(gpu.out, cpu_out_d, tol.atol, tol.rtol)) << "out vs CPU";
+    EXPECT_TRUE(all_close(gpu.lse, cpu_lse_d, kLseTolerance.atol, kLseTolerance.rtol)) << "lse vs CPU";
+  }
+}
+
+TEST(GpuDecode, OneScheduleServesSuccessiveBatches) {
+  MLA_REQUIRE_GPU();
+  OwnedSchedule sched(64, 4, 16);
+  for (int round = 0; round < 3; ++round) {
+    std::mt19937 rng(7300 + round);
+    const int batch = round == 0 ? 64 : round == 1 ? 3 : 17;
+    DecodeCase c;
+    c.num_heads = 16;
+    c.page_size = 32;
+    for (int b = 0; b < batch; ++b) {
+      c.kv_lens.push_back(int(rng() % (round == 1 ? 5000 : 400)));
+      c.q_lens.push_back(1 + int(rng() % 4));
+    }
+    c.use_cu_q_lens = true;
+    c.seed = uint64_t(7300 + round);
+    const DecodeData d = make_data(c);
+    const Reference ref = reference(d);
+    DeviceData dev(d);
+    MlaDecodeArgs a = dev.args(d);
+    plan_for(sched.schedule, a, c, nullptr);
+    a.schedule = &sched.schedule;
+    mla_decode(a);
+    MLA_TEST_CUDA(cudaDeviceSynchronize());
+    HostTensor out = d.out_buf, lse = d.lse_buf;
+    dev.out.download(out);
+    dev.lse.download(lse);
+    SCOPED_TRACE("round " + std::to_string(round));
+    expect_matches(d, gather(d, out, lse), ref);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA graphs: plan_decode + mla_decode captured once per batch size over capacity buffers, then
+// replayed after new kv_lens, cu_q_lens, block tables, queries and cache contents were written
+// into the same device buffers. Replays must equal eager runs bit for bit and the reference.
+
+TEST(GpuDecodeGraph, CaptureAndReplayWithNewLengths) {
+  MLA_REQUIRE_GPU();
+  constexpr int kMaxBatch = 16, kHeads = 16, kPageSize = 32, kMaxBlocks = 64, kMaxQLen = 4;
+  constexpr int kPages = kMaxBatch * kMaxBlocks + 4;
+  constexpr int kMaxTokens = kMaxBatch * kMaxQLen;
+  cudaStream_t stream;
+  MLA_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DeviceBuffer q(size_t(kMaxTokens) * kHeads * kDim * 2), cache(size_t(kPages) * kPageSize * kDim * 2),
+      bt(size_t(kMaxBatch) * kMaxBlocks * 4), kv_lens(kMaxBatch * 4), cu((kMaxBatch + 1) * 4),
+      out(size_t(kMaxTokens) * kHeads * kVDim * 2), lse(size_t(kMaxTokens) * kHeads * 4);
+  OwnedSchedule sched(kMaxBatch, kMaxQLen, kHeads);
+
+  for (bool variable : {false, true}) {
+    for (int bs : {1, 5, 16}) {
+      const int q_len = variable ? 0 : 2;
+      const int tokens = variable ? bs * kMaxQLen : bs * q_len;  // capacity rows of this graph
+      // Views over the capacity buffers for this batch size.
+      auto args_for = [&](int num_tokens) {
+        MlaDecodeArgs a;
+        const Device dev = Device::cuda(0);
+        a.q = TensorView::contiguous(q.ptr, DType::kBF16, {num_tokens, kHeads, kDim}, dev);
+        a.kv_cache = TensorView::contiguous(cache.ptr, DType::kBF16, {kPages, kPageSize, kDim}, dev);
+        a.block_table = TensorView::contiguous(bt.ptr, DType::kInt32, {bs, kMaxBlocks}, dev);
+        a.kv_lens = TensorView::contiguous(kv_lens.ptr, DType::kInt32, {bs}, dev);
+        if (variable) {
+          a.cu_q_lens = TensorView::contiguous(cu.ptr, DType::kInt32, {bs + 1}, dev);
+          a.max_q_len = kMaxQLen;
+        } else {
+          a.q_len = q_len;
+        }
+        a.softmax_scale = 0.0721687836f;
+        a.out = TensorView::contiguous(out.ptr, DType::kBF16, {num_tokens, kHeads, kVDim}, dev);
+        a.lse = TensorView::contiguous(lse.ptr, DType::kFP32, {num_tokens, kHeads}, dev);
+        a.schedule = &sched.schedule;
+        return a;
+      };
+      // The graph covers `tokens` query rows; each replay's query lengths add up to them.
+      MlaDecodeArgs cap = args_for(tokens);
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      MLA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      plan_decode(sched.schedule, cap.kv_lens, cap.cu_q_lens, cap.q_len, cap.max_q_len, stream);
+      mla_decode(cap, stream);
+      MLA_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+      MLA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+
+      for (int round = 0; round < 3; ++round) {
+        SCOPED_TRACE("variable " + std::to_string(variable) + " bs " + std::to_string(bs) +
+                     " round " + std::to_string(round));
+        std::mt19937 rng(uint32_t(8000 + 100 * bs + 10 * round + variable));
+        // New batch: lengths from short to the full block table; query lengths summing to `tokens`.
+        DecodeCase c;
+        c.num_heads = kHeads;
+        c.page_size = kPageSize;
+        const int max_kv = round == 0 ? 40 : round == 1 ? 700 : kMaxBlocks * kPageSize;
+        for (int b = 0; b < bs; ++b) c.kv_lens.push_back(int(rng() % uint32_t(max_kv + 1)));
+        if (variable) {
+          // Random split of `tokens` rows into bs requests of at most kMaxQLen each.
+          c.q_lens.assign(size_t(bs), kMaxQLen);
+          for (int k = 0; k < bs; ++k) {
+            const int give = int(rng() % 3);
+            const int from = int(rng() % uint32_t(bs)), to = int(rng() % uint32_t(bs));
+            const int moved = std::min({give, c.q_lens[size_t(from)], kMaxQLen - c.q_lens[size_t(to)]});
+            c.q_lens[size_t(from)] -= moved;
+            c.q_lens[size_t(to)] += moved;
+          }
+          c.use_cu_q_lens = true;
+        } else {
+          c.q_lens.assign(size_t(bs), q_len);
+        }
+        c.extra_pages = 0;
+        c.seed = uint64_t(8000 + 100 * bs + 10 * round + variable);
+        DecodeData d = make_data(c);
+        ASSERT_EQ(d.T, tokens);
+        ASSERT_LE(d.P, kPages);
+        ASSERT_LE(d.max_blocks, kMaxBlocks + 2);
+        // Write the batch into the capacity buffers (block table rows padded to kMaxBlocks).
+        HostTensor bt_cap(DType::kInt32, {kMaxBatch, kMaxBlocks});
+        for (int64_t i = 0; i < bt_cap.numel(); ++i) bt_cap.i32(i) = -1;
+        for (int b = 0; b < bs; ++b)
+          for (int64_t j = 0; j < std::min<int64_t>(d.max_blocks, kMaxBlocks); ++j)
+            bt_cap.i32(b * kMaxBlocks + j) = d.block_table.i32(b * d.max_blocks + j);
+        MLA_TEST_CUDA(cudaMemcpy(q.ptr, d.q_buf.data(), d.q_buf.bytes.size(), cudaMemcpyHostToDevice));
+        MLA_TEST_CUDA(cudaMemcpy(cache.ptr, d.cache.data(), d.cache.bytes.size(), cudaMemcpyHostToDevice));
+        MLA_TEST_CUDA(cudaMemcpy(bt.ptr, bt_cap.data(), bt_cap.bytes.size(), cudaMemcpyHostToDevice));
+        MLA_TEST_CUDA(cudaMemcpy(kv_lens.ptr, d.kv_lens.data(), d.kv_lens.bytes.size(), cudaMemcpyHostToDevice));
+        MLA_TEST_CUDA(cudaMemcpy(cu.ptr, d.cu_q_lens.data(), d.cu_q_lens.bytes.size(), cudaMemcpyHostToDevice));
+
+        // Replay.
+        MLA_TEST_CUDA(cudaMemset(out.ptr, 0xff, out.bytes));
+        MLA_TEST_CUDA(cudaMemset(lse.ptr, 0xff, lse.bytes));
+        MLA_TEST_CUDA(cudaGraphLaunch(exec, stream));
+        MLA_TEST_CUDA(cudaStreamSynchronize(stream));
+        HostTensor out_graph(DType::kBF16, {tokens, kHeads, kVDim}), lse_graph(DType::kFP32, {tokens, kHeads});
+        MLA_TEST_CUDA(cudaMemcpy(out_graph.data(), out.ptr, out_graph.bytes.size(), cudaMemcpyDeviceToHost));
+        MLA_TEST_CUDA(cudaMemcpy(lse_graph.data(), lse.ptr, lse_graph.bytes.size(), cudaMemcpyDeviceToHost));
+
+        // Eager run on the same buffers.
+        MLA_TEST_CUDA(cudaMemset(out.ptr, 0xff, out.bytes));
+        MLA_TEST_CUDA(cudaMemset(lse.ptr, 0xff, lse.bytes));
+        MlaDecodeArgs eager = args_for(tokens);
+        plan_decode(sched.schedule, eager.kv_lens, eager.cu_q_lens, eager.q_len, eager.max_q_len, stream);
+        mla_decode(eager, stream);
+        MLA_TEST_CUDA(cudaStreamSynchronize(stream));
+        HostTensor out_eager = out_graph, lse_eager = lse_graph;
+        MLA_TEST_CUDA(cudaMemcpy(out_eager.data(), out.ptr, out_eager.bytes.size(), cudaMemcpyDeviceToHost));
+        MLA_TEST_CUDA(cudaMemcpy(lse_eager.data(), lse.ptr, lse_eager.bytes.size(), cudaMemcpyDeviceToHost));
+        EXPECT_EQ(out_graph.bytes, out_eager.bytes) << "graph replay differs from the eager run";
+        EXPECT_EQ(lse_graph.bytes, lse_eager.bytes) << "graph replay differs from the eager run";
+
+        // And both match the reference.
+        const Reference ref = reference(d);
+        DecodeData dg = d;
+        dg.out_buf = out_graph;
+        dg.lse_buf = lse_graph;
+        expect_matches(dg, gather(dg, out_graph, lse_graph), ref);
+      }
+      MLA_TEST_CUDA(cudaGraphExecDestroy(exec));
+      MLA_TEST_CUDA(cudaGraphDestroy(graph));
+    }
+  }
+  MLA_TEST_CUDA(cudaStreamDestroy(stream));
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(GpuDecodeErrors, ScheduleArguments) {
+  MLA_REQUIRE_GPU();
+  const size_t bytes = decode_workspace_bytes(8, 2, 16);
+  DeviceBuffer ws(bytes);
+  EXPECT_TRUE(throws_error([&] { make_decode_schedule(ws.ptr, bytes - 256, 8, 2, 16); },
+                           {"make_decode_schedule", "too small"}));
+  std::vector<unsigned char> host(bytes + 256);
+  void* host_aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(host.data()) + 255) / 256 * 256);
+  EXPECT_TRUE(throws_error([&] { make_decode_schedule(host_aligned, bytes, 8, 2, 16); },
+                           {"make_decode_schedule", "device memory"}));
+  EXPECT_TRUE(throws_error([&] { decode_workspace_bytes(8, 2, 129); }, {"num_heads"}));
+  EXPECT_TRUE(throws_error([&] { decode_workspace_bytes(0, 2, 16); }, {"max_batch"}));
+
+  const DecodeSchedule s = make_decode_schedule(ws.ptr, bytes, 8, 2, 16);
+  HostTensor kv = int32_tensor({1, 2, 3});
+  EXPECT_TRUE(throws_error([&] { plan_decode(s, kv.view(), TensorView{}, 1, 0); },
+                           {"plan_decode", "kv_lens", "CUDA tensor"}));
+  DeviceBuffer kv_dev(64);
+  const TensorView kv9 = TensorView::contiguous(kv_dev.ptr, DType::kInt32, {9}, Device::cuda(0));
+  EXPECT_TRUE(throws_error([&] { plan_decode(s, kv9, TensorView{}, 1, 0); }, {"plan_decode", "max_batch"}));
+  const TensorView kv3 = TensorView::contiguous(kv_dev.ptr, DType::kInt32, {3}, Device::cuda(0));
+  EXPECT_TRUE(throws_error([&] { plan_decode(s, kv3, TensorView{}, 3, 0); }, {"plan_decode", "q_len"}));
+  const TensorView cu_bad = TensorView::contiguous(kv_dev.ptr, DType::kInt32, {3}, Device::cuda(0));
+  EXPECT_TRUE(throws_error([&] { plan_decode(s, kv3, cu_bad, 0, 2); }, {"plan_decode", "cu_q_lens"}));
+  const TensorView kv_f = TensorView::contiguous(kv_dev.ptr, DType::kFP32, {3}, Device::cuda(0));
+  EXPECT_TRUE(throws_error([&] { plan_decode(s, kv_f, TensorView{}, 1, 0); }, {"plan_decode", "kv_lens"}));
+  EXPECT_TRUE(throws_error([&] { plan_decode(DecodeSchedule{}, kv3, TensorView{}, 1, 0); },
+                           {"plan_decode", "workspace"}));
+}
+
+TEST(GpuDecodeErrors, ScheduleMustFitTheCall) {
+  MLA_REQUIRE_GPU();
+  DecodeCase c = fixed(16, 16, {10, 20});
+  const DecodeData d = make_data(c);
+  DeviceData dev(d);
+  MlaDecodeArgs a = dev.args(d);
+  OwnedSchedule wrong_heads(4, 1, 8);
+  a.schedule = &wrong_heads.schedule;
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"mla_decode", "heads"}));
+  OwnedSchedule small(1, 1, 16);
+  a.schedule = &small.schedule;
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"mla_decode", "max_batch"}));
+  OwnedSchedule ok(2, 1, 16);
+  a.schedule = &ok.schedule;
+  a.q_len = 1;
+  plan_for(ok.schedule, a, c, nullptr);
+  EXPECT_NO_THROW(mla_decode(a));
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing (cudaEvent, no L2 flush; informational, nothing asserted beyond finiteness).
+
+void time_decode(int batch, int heads, int kv_len, int q_len, bool use_schedule) {
+  constexpr int kPage = 64;
+  const int blocks = (kv_len + kPage - 1) / kPage;
+  const int64_t pages = int64_t(batch) * blocks;
+  const int64_t tokens = int64_t(batch) * q_len;
+  DeviceBuffer q(size_t(tokens) * heads * kDim * 2), cache(size_t(pages) * kPage * kDim * 2),
+      bt(size_t(batch) * blocks * 4), kvl(size_t(batch) * 4), out(size_t(tokens) * heads * kVDim * 2),
+      lse(size_t(tokens) * heads * 4);
+  // Finite filler (bf16 0x3c3c ~ 0.0115) for the data; the timing does not depend on values.
+  ASSERT_EQ(cudaMemset(q.ptr, 0x3c, q.bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(cache.ptr, 0x3c, cache.bytes), cudaSuccess);
+  HostTensor bt_h(DType::kInt32, {batch, blocks});
+  std::vector<int32_t> perm(static_cast<size_t>(pages));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
+  std::memcpy(bt_h.data(), perm.data(), perm.size() * 4);
+  bt.upload(bt_h);
+  kvl.upload(int32_tensor(std::vector<int32_t>(size_t(batch), kv_len)));
+  const Device dev = Device::cuda(0);
+  MlaDecodeArgs a;
+  a.q = TensorView::contiguous(q.ptr, DType::kBF16, {tokens, heads, kDim}, dev);
+  a.kv_cache = TensorView::contiguous(cache.ptr, DType::kBF16, {pages, kPage, kDim}, dev);
+  a.block_table = TensorView::contiguous(bt.ptr, DType::kInt32, {batch, blocks}, dev);
+  a.kv_lens = TensorView::contiguous(kvl.ptr, DType::kInt32, {batch}, dev);
+  a.q_len = q_len;
+  a.softmax_scale = 0.0721687836f;
+  a.out = TensorView::contiguous(out.ptr, DType::kBF16, {tokens, heads, kVDim}, dev);
+  a.lse = TensorView::contiguous(lse.ptr, DType::kFP32, {tokens, heads}, dev);
+  std::unique_ptr<OwnedSchedule> sched;
+  if (use_schedule) {
+    sched = std::make_unique<OwnedSchedule>(batch, q_len, heads);
+    a.schedule = &sched->schedule;
+  }
+  auto step = [&] {
+    if (use_schedule) plan_decode(sched->schedule, a.kv_lens, TensorView{}, q_len, 0, nullptr);
+    mla_decode(a, nullptr);
+  };
+  for (int i = 0; i < 3; ++i) step();
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  constexpr int kIters = 20;
+  cudaEventRecord(e0);
+  for (int i = 0; i < kIters; ++i) step();
+  cudaEventRecord(e1);
+  ASSERT_EQ(cudaEventSynchronize(e1), cudaSuccess);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  const double us = 1000.0 * ms / kIters;
+  const double flops = 2.0 * double(tokens) * heads * kv_len * (kDim + kVDim);
+  const double bytes = double(batch) * kv_len * kDim * 2;
+  std::printf("[decode timing] B=%d H=%d kv=%d q_len=%d %-11s: %9.1f us  %6.1f TFLOP/s  %6.2f TB/s (cache)\n",
+              batch, heads, kv_len, q_len, use_schedule ? "schedule" : "no schedule", us,
+              flops / us * 1e-6, bytes / us * 1e-6);
+  HostTensor lse_h(DType::kFP32, {tokens, heads});
+  lse.download(lse_h);
+  for (int64_t i = 0; i < lse_h.numel(); ++i) ASSERT_TRUE(std::isfinite(lse_h.get(i)));
+}
+
+TEST(GpuDecodeTiming, Report) {
+  MLA_REQUIRE_GPU();
+  for (bool s : {true, false}) {
+    time_decode(64, 128, 4096, 1, s);
+    time_decode(128, 16, 4096, 1, s);
+    time_decode(1, 128, 32768, 1, s);
+    time_decode(1, 16, 32768, 1, s);
+    time_decode(32, 16, 2048, 4, s);
+  }
+}
+
+}  // namespace
+}  // namespace mla::test
