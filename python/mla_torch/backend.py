@@ -541,6 +541,8 @@ class MlaBackend:
         md = self._decode_metadata(forward_batch, kind)
         num_heads = layer.tp_q_head_num
         num_tokens = q.shape[0]
+        if num_tokens == 0:  # IDLE (or an empty batch): nothing to save or attend
+            return q.new_empty((0, num_heads * self.kv_lora_rank), dtype=self.q_data_type)
         kv_cache = self._kv_cache(layer)
         k_scale = self._k_scale(layer)
         fp8 = self.data_type == torch.float8_e4m3fn
@@ -578,8 +580,6 @@ class MlaBackend:
             ops.append_latent_kv(k_nope, k_pe, forward_batch.out_cache_loc, kv_cache, k_scale)
         out = torch.empty((num_tokens, num_heads, self.kv_lora_rank), dtype=self.q_data_type,
                           device=q.device)
-        if num_tokens == 0:
-            return out.view(0, num_heads * self.kv_lora_rank)
         ops.mla_decode(kv_cache, md.block_table, md.kv_lens, layer.scaling, q=query, q_nope=q_nope,
                        q_pe=q_pe, cu_q_lens=md.cu_q_lens, q_len=md.q_len or 1,
                        max_q_len=md.max_q_len, k_scale=k_scale, out=out)

@@ -1,0 +1,283 @@
+"""MlaBackend's mode logic and planning (CPU tensors; the same code runs on CUDA): which path each
+forward mode takes, the metadata it plans, CUDA-graph buffer updates in place, data-parallel
+re-planning, the multi-step draft backend's shared buffers, and the errors for misuse."""
+
+import enum
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from mla_reference import cdiv
+from mla_torch import (AttentionLayer, ForwardBatch, ForwardMode, LatentKvPool, MlaBackend,
+                       MlaMultiStepDraftBackend, SpecInfo, mode_kind)
+
+PAGE = 4
+
+
+def make_backend(device="cpu", **kw):
+    gen = torch.Generator().manual_seed(7)
+    max_context = 64
+    num_pages = 6 * max_context // PAGE
+    perm = torch.randperm(num_pages, generator=gen)
+    req_to_token = torch.empty(6, max_context, dtype=torch.int32)
+    per = max_context // PAGE
+    for r in range(6):
+        pages = perm[r * per:(r + 1) * per]
+        req_to_token[r] = (pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1).to(torch.int32)
+    pool = LatentKvPool(1, num_pages, PAGE, torch.bfloat16, device)
+    args = dict(num_q_heads=4, page_size=PAGE, req_to_token=req_to_token.to(device),
+                token_to_kv_pool=pool, kv_cache_dtype=torch.bfloat16, num_draft_tokens=3)
+    args.update(kw)
+    return MlaBackend(**args), req_to_token
+
+
+def expected_table(req_to_token, reqs, lens, width):
+    table = torch.full((len(reqs), width), -1, dtype=torch.int32)
+    for b, (r, n) in enumerate(zip(reqs, lens)):
+        blocks = cdiv(n, PAGE)
+        table[b, :blocks] = req_to_token[r, torch.arange(blocks) * PAGE] // PAGE
+    return table
+
+
+def batch(mode, reqs, seq_lens, extend=None, prefix=None, device="cpu", **kw):
+    dev = device
+    return ForwardBatch(
+        forward_mode=mode, batch_size=len(reqs),
+        req_pool_indices=torch.tensor(reqs, device=dev),
+        seq_lens=torch.tensor(seq_lens, device=dev), seq_lens_cpu=torch.tensor(seq_lens),
+        extend_seq_lens=None if extend is None else torch.tensor(extend, device=dev),
+        extend_seq_lens_cpu=extend,
+        extend_prefix_lens=None if prefix is None else torch.tensor(prefix, device=dev),
+        extend_prefix_lens_cpu=prefix, **kw)
+
+
+def test_mode_kinds_accept_engine_enums():
+    class EngineMode(enum.IntEnum):  # an engine's own enum with more members
+        EXTEND = 1
+        DECODE = 2
+        MIXED = 3
+        IDLE = 4
+        TARGET_VERIFY = 5
+        DRAFT_EXTEND_V2 = 7
+        PREBUILT = 9
+
+    assert [mode_kind(m) for m in list(EngineMode)[:6]] == [
+        "extend", "decode", "extend", "idle", "verify", "draft_extend"]
+    with pytest.raises(ValueError, match="unsupported forward mode .*PREBUILT"):
+        mode_kind(EngineMode.PREBUILT)
+    assert mode_kind(ForwardMode.DRAFT_EXTEND) == "draft_extend"
+
+
+def test_decode_plan():
+    backend, r2t = make_backend()
+    fb = batch(ForwardMode.DECODE, [3, 0, 5], [9, 1, 40])
+    backend.init_forward_metadata(fb)
+    md = backend.forward_decode_metadata
+    assert backend.forward_prefill_metadata is None
+    assert md.batch_size == 3 and md.q_len == 1 and md.max_q_len == 1 and md.cu_q_lens is None
+    assert md.kv_lens.tolist() == [9, 1, 40] and md.kv_lens.dtype == torch.int32
+    assert md.block_table.shape == (3, 10)  # ceil(40 / 4): width from seq_lens_cpu
+    assert torch.equal(md.block_table, expected_table(r2t, [3, 0, 5], [9, 1, 40], 10))
+    # Without host lengths: full context width, no device read.
+    fb.seq_lens_cpu = None
+    backend.init_forward_metadata(fb)
+    assert backend.forward_decode_metadata.block_table.shape == (3, 16)
+
+
+def test_target_verify_and_draft_extend_plans():
+    backend, r2t = make_backend()
+    fb = batch(ForwardMode.TARGET_VERIFY, [1, 2], [10, 5], spec_info=SpecInfo(draft_token_num=3))
+    backend.init_forward_metadata(fb)
+    md = backend.forward_decode_metadata
+    assert md.kv_lens.tolist() == [13, 8] and md.q_len == 3 and md.max_q_len == 3
+    assert torch.equal(md.block_table, expected_table(r2t, [1, 2], [13, 8], 4))
+
+    fb = batch(ForwardMode.DRAFT_EXTEND, [1, 2, 4], [12, 7, 3], extend=[2, 0, 3])
+    backend.init_forward_metadata(fb)
+    md = backend.forward_decode_metadata
+    assert md.cu_q_lens.tolist() == [0, 2, 2, 5] and md.cu_q_lens.dtype == torch.int32
+    assert md.kv_lens.tolist() == [12, 7, 3] and md.max_q_len == 3
+
+
+def test_extend_plan_and_prefix_chunks():
+    backend, r2t = make_backend(chunked_prefix_capacity=6)
+    fb = batch(ForwardMode.EXTEND, [0, 1, 2], [9, 3, 14], extend=[2, 3, 4], prefix=[7, 0, 10])
+    backend.init_forward_metadata(fb)
+    md = backend.forward_prefill_metadata
+    assert md.has_prefix and md.use_chunked_prefix and md.max_q_len == 4
+    assert md.cu_q_lens.tolist() == [0, 2, 5, 9]
+    # capacity 6 over 3 requests: 2 prefix tokens per request per chunk
+    assert fb.num_prefix_chunks == 5
+    slots = [[] for _ in range(3)]
+    for c in range(fb.num_prefix_chunks):
+        cu = fb.prefix_chunk_cu_seq_lens[c].tolist()
+        idx = fb.prefix_chunk_kv_indices[c].tolist()
+        assert fb.prefix_chunk_max_seq_lens[c] == max(b - a for a, b in zip(cu, cu[1:]))
+        for b in range(3):
+            slots[b] += idx[cu[b]:cu[b + 1]]
+    for b, (r, p) in enumerate(zip([0, 1, 2], [7, 0, 10])):
+        assert slots[b] == r2t[r, :p].tolist()
+    # Chunking off: the absorbed plan serves the prefix.
+    backend2, _ = make_backend(disable_chunked_prefix_cache=True)
+    fb = batch(ForwardMode.EXTEND, [0, 1], [9, 3], extend=[2, 3], prefix=[7, 0])
+    backend2.init_forward_metadata(fb)
+    md = backend2.forward_prefill_metadata
+    assert md.has_prefix and not md.use_chunked_prefix
+    assert md.absorbed.cu_q_lens.tolist() == [0, 2, 5] and md.absorbed.kv_lens.tolist() == [9, 3]
+    assert fb.prefix_chunk_cu_seq_lens is None
+
+
+def test_idle_batch():
+    backend, _ = make_backend()
+    fb = batch(ForwardMode.IDLE, [], [])
+    backend.init_forward_metadata(fb)
+    layer = AttentionLayer(0, 4, 576, 512, 0.1)
+    out = backend.forward_decode(torch.zeros(0, 4 * 512, dtype=torch.bfloat16),
+                                 torch.zeros(0, 512, dtype=torch.bfloat16), None, layer, fb,
+                                 q_rope=torch.zeros(0, 4 * 64, dtype=torch.bfloat16),
+                                 k_rope=torch.zeros(0, 64, dtype=torch.bfloat16))
+    assert out.shape == (0, 4 * 512)
+
+
+def test_replan_when_batch_grew():
+    """Data-parallel padding can grow the batch after planning: forward re-plans."""
+    backend, _ = make_backend()
+    backend.init_forward_metadata(batch(ForwardMode.DECODE, [0, 1], [5, 6]))
+    grown = batch(ForwardMode.DECODE, [0, 1, 2], [5, 6, 1])
+    grown.out_cache_loc = torch.tensor([-1, -1, -1])
+    layer = AttentionLayer(0, 4, 576, 512, 0.1)
+    q = torch.randn(3, 4 * 576).to(torch.bfloat16)
+    out = backend.forward_decode(q, None, None, layer, grown, save_kv_cache=False)
+    assert out.shape == (3, 4 * 512) and backend.forward_decode_metadata.batch_size == 3
+
+
+def test_misuse_errors():
+    backend, _ = make_backend(skip_prefill=True)
+    with pytest.raises(ValueError, match="skip_prefill"):
+        backend.init_forward_metadata(batch(ForwardMode.EXTEND, [0], [3], extend=[3], prefix=[0]))
+    backend, _ = make_backend(num_draft_tokens=0)
+    with pytest.raises(ValueError, match="draft_token_num"):
+        backend.init_forward_metadata(batch(ForwardMode.TARGET_VERIFY, [0], [3]))
+    with pytest.raises(ValueError, match="page_size must be a power of two"):
+        make_backend(page_size=3)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_backend(kv_cache_dtype=torch.float32)
+    backend, _ = make_backend()
+    fb = batch(ForwardMode.EXTEND, [0], [3], extend=[3], prefix=[0])
+    backend.init_forward_metadata(fb)
+    mha = AttentionLayer(0, 4, 192, 128, 0.1)
+    x = torch.zeros(3, 4 * 192, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="save_kv_cache=False"):
+        backend.forward_extend(x, x, x, mha, fb, save_kv_cache=True)
+    with pytest.raises(RuntimeError, match="init_cuda_graph_state"):
+        backend.init_forward_metadata_capture_cuda_graph(1, 1, torch.zeros(1), torch.ones(1))
+    with pytest.raises(NotImplementedError, match="topk 1"):
+        MlaMultiStepDraftBackend(3, topk=2)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
+                                  ForwardMode.DRAFT_EXTEND])
+def test_graph_buffers_update_in_place(mode):
+    """Capture plans over persistent buffers at full width; replay rewrites them in place and
+    agrees with an eager plan of the same batch."""
+    backend, r2t = make_backend()
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=12)
+    spec = SpecInfo(draft_token_num=3)
+    req_buf = torch.zeros(4, dtype=torch.int64)
+    len_buf = torch.ones(4, dtype=torch.int64)
+    ext_buf = torch.full((4,), 3, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(3, 9, req_buf, len_buf, None, mode, spec,
+                                                     extend_seq_lens=ext_buf)
+    md = backend.forward_decode_metadata
+    ptrs = (md.block_table.data_ptr(), md.kv_lens.data_ptr())
+    assert md.block_table.shape == (3, 16)
+    for reqs, lens, ext in [([2, 0, 5], [7, 30, 2], [1, 3, 2]), ([1, 4, 3], [64 - 3, 1, 17], [3, 1, 1])]:
+        req_buf[:3] = torch.tensor(reqs)
+        len_buf[:3] = torch.tensor(lens)
+        ext_buf[:3] = torch.tensor(ext)
+        backend.init_forward_metadata_replay_cuda_graph(3, req_buf, len_buf, -1, None, mode, spec,
+                                                        extend_seq_lens=ext_buf)
+        md = backend.forward_decode_metadata
+        assert (md.block_table.data_ptr(), md.kv_lens.data_ptr()) == ptrs
+        eager = make_backend()[0]
+        eager.init_forward_metadata(batch(mode, reqs, lens, extend=ext, spec_info=spec))
+        ref = eager.forward_decode_metadata
+        assert torch.equal(md.kv_lens, ref.kv_lens)
+        width = ref.block_table.shape[1]
+        assert torch.equal(md.block_table[:, :width], ref.block_table)
+        assert (md.block_table[:, width:] == -1).all()
+        if mode == ForwardMode.DRAFT_EXTEND:
+            assert torch.equal(md.cu_q_lens, ref.cu_q_lens)
+            assert md.max_q_len == 3  # the graph's bound
+    # The out-graph entry does the same from a batch object.
+    fb = batch(mode, [2, 0, 5], [7, 30, 2], extend=[1, 3, 2], spec_info=spec)
+    backend.init_forward_metadata_out_graph(fb, in_capture=False)
+    assert backend.forward_decode_metadata.block_table.data_ptr() == ptrs[0]
+
+
+def test_multi_step_draft_backend():
+    base, r2t = make_backend()
+    kw = dict(num_q_heads=4, page_size=PAGE, req_to_token=base.req_to_token,
+              token_to_kv_pool=base.token_to_kv_pool, kv_cache_dtype=torch.bfloat16)
+    drafter = MlaMultiStepDraftBackend(speculative_num_steps=4, **kw)
+    assert len(drafter.attn_backends) == 3
+    fb = batch(ForwardMode.DECODE, [0, 3], [5, 12])
+    drafter.init_forward_metadata(fb)
+    mds = [b.forward_decode_metadata for b in drafter.attn_backends]
+    assert [m.kv_lens.tolist() for m in mds] == [[5, 12], [6, 13], [7, 14]]
+    assert len({m.block_table.data_ptr() for m in mds}) == 1
+    assert torch.equal(mds[0].block_table, expected_table(r2t, [0, 3], [7, 14], 4))
+    # CUDA-graph buffers: one shared block table, separate kv lengths.
+    drafter.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
+    drafter.init_forward_metadata_capture_cuda_graph(fb)
+    drafter.init_forward_metadata_replay_cuda_graph(fb, 2)
+    mds = [b.forward_decode_metadata for b in drafter.attn_backends]
+    assert len({m.block_table.data_ptr() for m in mds}) == 1
+    assert len({m.kv_lens.data_ptr() for m in mds}) == 3
+    assert [m.kv_lens.tolist() for m in mds] == [[5, 12], [6, 13], [7, 14]]
+    assert torch.equal(mds[0].block_table[:, :4], expected_table(r2t, [0, 3], [7, 14], 4))
+    # SGLang's convention: seq_lens without the first draft token.
+    sg = MlaMultiStepDraftBackend(speculative_num_steps=2, step_base=1, **kw)
+    sg.init_forward_metadata(fb)
+    assert sg.attn_backends[0].forward_decode_metadata.kv_lens.tolist() == [6, 13]
+
+
+def test_from_model_runner():
+    backend, _ = make_backend()
+    runner = SimpleNamespace(
+        model_config=SimpleNamespace(num_attention_heads=128), tp_size=8, page_size=PAGE,
+        req_to_token_pool=SimpleNamespace(req_to_token=backend.req_to_token),
+        token_to_kv_pool=backend.token_to_kv_pool, kv_cache_dtype=torch.bfloat16,
+        dtype=torch.bfloat16,
+        server_args=SimpleNamespace(speculative_num_draft_tokens=4, disable_chunked_prefix_cache=True))
+    b = MlaBackend.from_model_runner(runner)
+    assert b.num_q_heads == 16 and b.num_draft_tokens == 4 and b.disable_chunked_prefix_cache
+    d = MlaMultiStepDraftBackend.from_model_runner(runner, topk=1, speculative_num_steps=3)
+    assert [x.step_offset for x in d.attn_backends] == [1, 2]
+
+
+@requires_cuda
+def test_decode_family_planning_does_not_sync():
+    """The decode family plans without a device-to-host copy (graph-capturable)."""
+    backend, _ = make_backend("cuda")
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=12)
+    spec = SpecInfo(draft_token_num=3)
+    modes = [(ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, None),
+             (ForwardMode.DRAFT_EXTEND, [1, 3, 2])]
+    for mode, ext in modes:
+        fb = batch(mode, [2, 0, 5], [7, 30, 9], extend=ext, device="cuda", spec_info=spec)
+        fb.seq_lens_cpu = None
+        backend.init_forward_metadata_capture_cuda_graph(3, 9, fb.req_pool_indices, fb.seq_lens,
+                                                         None, mode, spec,
+                                                         extend_seq_lens=fb.extend_seq_lens)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            backend.init_forward_metadata(fb)
+            backend.init_forward_metadata_replay_cuda_graph(3, fb.req_pool_indices, fb.seq_lens,
+                                                            -1, None, mode, spec,
+                                                            extend_seq_lens=fb.extend_seq_lens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
