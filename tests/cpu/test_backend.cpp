@@ -729,5 +729,596 @@ TEST(BackendMultiStep, StepsEqualIndependentBackends) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// EXTEND
+
+float round_to(DType dtype, double x) {
+  unsigned char storage[8] = {};
+  store_from_float(storage, dtype, 0, float(x));
+  return load_as_float(storage, dtype, 0);
+}
+
+// The test model's up-projections, per head: k_nope = W_UK c (128), v = W_UV c (128), with c the
+// 512-wide c_kv; the key's rope part is the cached k_pe.
+struct UpProjection {
+  int heads;
+  std::vector<double> w_uk, w_uv;  // [H, 128, 512]
+  UpProjection(int h, std::mt19937_64& rng) : heads(h) {
+    const double bound = 1.0 / std::sqrt(double(kKvLoraRank));
+    std::uniform_real_distribution<double> dist(-bound, bound);
+    w_uk.resize(size_t(h) * 128 * kKvLoraRank);
+    w_uv.resize(w_uk.size());
+    for (double& w : w_uk) w = dist(rng);
+    for (double& w : w_uv) w = dist(rng);
+  }
+  // k [H, 192] and v [H, 128] of one latent row (576 dequantised values), rounded to `dtype`.
+  void project(const float* latent, DType dtype, float* k, float* v) const {
+    for (int h = 0; h < heads; ++h) {
+      for (int i = 0; i < 128; ++i) {
+        const double* uk = &w_uk[(size_t(h) * 128 + size_t(i)) * kKvLoraRank];
+        const double* uv = &w_uv[(size_t(h) * 128 + size_t(i)) * kKvLoraRank];
+        double sk = 0, sv = 0;
+        for (int d = 0; d < kKvLoraRank; ++d) {
+          sk += uk[d] * latent[d];
+          sv += uv[d] * latent[d];
+        }
+        k[h * 192 + i] = round_to(dtype, sk);
+        v[h * 128 + i] = round_to(dtype, sv);
+      }
+      for (int j = 0; j < kRopeDim; ++j) k[h * 192 + 128 + j] = round_to(dtype, latent[kKvLoraRank + j]);
+    }
+  }
+};
+
+struct ExtendProblem {
+  int heads = 0;
+  std::vector<int> slots, prefix, extend;
+  int64_t num_tokens = 0;
+  HostTensor q, k, v;        // MHA: [T, H, 192], [T, H, 192], [T, H, 128] (new tokens)
+  HostTensor q_abs;          // absorbed: [T, H, 576] = (W_UK^T q_nope | q_pe)
+  HostTensor k_nope, k_pe;   // the new tokens' latents, fp32
+  HostTensor out, lse;       // [T, H, 128], [T, H]
+  HostTensor out_abs, lse_abs;  // [T, H, 512], [T, H]
+  HostTensor req_pool_indices, seq_lens, out_cache_loc;
+  std::vector<int32_t> seq_lens_cpu, extend_cpu, prefix_cpu;
+
+  ForwardBatch batch() {
+    ForwardBatch b;
+    b.mode = ForwardMode::kExtend;
+    b.batch_size = int(slots.size());
+    b.req_pool_indices = req_pool_indices.view();
+    b.seq_lens = seq_lens.view();
+    b.out_cache_loc = out_cache_loc.view();
+    b.seq_lens_cpu = seq_lens_cpu;
+    b.extend_seq_lens_cpu = extend_cpu;
+    b.extend_prefix_lens_cpu = prefix_cpu;
+    return b;
+  }
+  MhaAttentionArgs mha_args() {
+    MhaAttentionArgs a;
+    a.q = q.view();
+    a.k = k.view();
+    a.v = v.view();
+    a.out = out.view();
+    a.lse = lse.view();
+    return a;
+  }
+  AbsorbedAttentionArgs absorbed_args() {
+    AbsorbedAttentionArgs a;
+    a.q = q_abs.view();
+    a.k_nope = k_nope.view();
+    a.k_pe = k_pe.view();
+    a.out = out_abs.view();
+    a.lse = lse_abs.view();
+    return a;
+  }
+};
+
+ExtendProblem make_extend_problem(Pool& pool, const UpProjection& proj, std::vector<int> slots,
+                                  std::vector<int> prefix, std::vector<int> extend,
+                                  std::mt19937_64& rng) {
+  const DType dtype = DType::kFP16;
+  const int heads = proj.heads;
+  ExtendProblem p;
+  p.heads = heads;
+  p.slots = slots;
+  p.prefix = prefix;
+  p.extend = extend;
+  for (int e : extend) p.num_tokens += e;
+  const int64_t t_count = p.num_tokens;
+  const int batch = int(slots.size());
+  p.q = tensor_from(dtype, {t_count, heads, 192}, random_values(rng, t_count * heads * 192));
+  p.k = HostTensor(dtype, {t_count, heads, 192});
+  p.v = HostTensor(dtype, {t_count, heads, 128});
+  p.k_nope = tensor_from(DType::kFP32, {t_count, kKvLoraRank}, random_values(rng, t_count * kKvLoraRank));
+  p.k_pe = tensor_from(DType::kFP32, {t_count, kRopeDim}, random_values(rng, t_count * kRopeDim));
+  std::vector<int32_t> loc;
+  std::vector<float> k_row(size_t(heads) * 192), v_row(size_t(heads) * 128);
+  int64_t t = 0;
+  for (int b = 0; b < batch; ++b) {
+    const int slot = slots[size_t(b)];
+    pool.reserve(slot, prefix[size_t(b)] + extend[size_t(b)]);
+    for (int pos = 0; pos < prefix[size_t(b)]; ++pos) pool.write(slot, pos, random_values(rng, kLatentDim).data());
+    for (int i = 0; i < extend[size_t(b)]; ++i, ++t) {
+      const int pos = prefix[size_t(b)] + i;
+      std::vector<float> row(kLatentDim);
+      for (int d = 0; d < kKvLoraRank; ++d) row[size_t(d)] = p.k_nope.get(t * kKvLoraRank + d);
+      for (int d = 0; d < kRopeDim; ++d) row[size_t(kKvLoraRank + d)] = p.k_pe.get(t * kRopeDim + d);
+      pool.expect(slot, pos, row.data());
+      loc.push_back(pool.slot(slot, pos));
+      // The new token's MHA key and value, from its latent as the cache will hold it.
+      proj.project(pool.latent[size_t(slot)][size_t(pos)].data(), dtype, k_row.data(), v_row.data());
+      for (int e = 0; e < heads * 192; ++e) p.k.set(t * heads * 192 + e, k_row[size_t(e)]);
+      for (int e = 0; e < heads * 128; ++e) p.v.set(t * heads * 128 + e, v_row[size_t(e)]);
+    }
+    p.seq_lens_cpu.push_back(prefix[size_t(b)] + extend[size_t(b)]);
+    p.extend_cpu.push_back(extend[size_t(b)]);
+    p.prefix_cpu.push_back(prefix[size_t(b)]);
+  }
+  // Absorbed queries: q_nope folded through W_UK, q_pe as is.
+  p.q_abs = HostTensor(dtype, {t_count, heads, kLatentDim});
+  for (int64_t row = 0; row < t_count; ++row)
+    for (int h = 0; h < heads; ++h) {
+      const int64_t q_base = (row * heads + h) * 192, a_base = (row * heads + h) * kLatentDim;
+      for (int d = 0; d < kKvLoraRank; ++d) {
+        double sum = 0;
+        for (int i = 0; i < 128; ++i)
+          sum += proj.w_uk[(size_t(h) * 128 + size_t(i)) * kKvLoraRank + size_t(d)] * p.q.get(q_base + i);
+        p.q_abs.set(a_base + d, float(sum));
+      }
+      for (int j = 0; j < kRopeDim; ++j) p.q_abs.set(a_base + kKvLoraRank + j, p.q.get(q_base + 128 + j));
+    }
+  p.out = nan_tensor(DType::kFP32, {t_count, heads, 128});
+  p.lse = nan_tensor(DType::kFP32, {t_count, heads});
+  p.out_abs = nan_tensor(DType::kFP32, {t_count, heads, kKvLoraRank});
+  p.lse_abs = nan_tensor(DType::kFP32, {t_count, heads});
+  std::vector<int32_t> rpi(slots.begin(), slots.end());
+  p.req_pool_indices = test::int32_tensor(rpi, {batch});
+  p.seq_lens = test::int32_tensor(p.seq_lens_cpu, {batch});
+  p.out_cache_loc = test::int32_tensor(loc, {t_count});
+  return p;
+}
+
+// One-shot causal MHA over prefix + extend: new token i of request b sees positions
+// 0 .. prefix_b + i, with keys and values up-projected from the cached latents.
+Reference naive_mha(Pool& pool, const UpProjection& proj, const ExtendProblem& p) {
+  const int heads = p.heads;
+  Reference ref;
+  ref.out.assign(size_t(p.num_tokens * heads * 128), 0.0);
+  ref.lse.assign(size_t(p.num_tokens * heads), 0.0);
+  int64_t t = 0;
+  for (size_t b = 0; b < p.slots.size(); ++b) {
+    const int len = p.prefix[b] + p.extend[b];
+    std::vector<float> keys(size_t(len) * heads * 192), values(size_t(len) * heads * 128);
+    for (int pos = 0; pos < len; ++pos)
+      proj.project(pool.latent[size_t(p.slots[b])][size_t(pos)].data(), DType::kFP16,
+                   &keys[size_t(pos) * heads * 192], &values[size_t(pos) * heads * 128]);
+    for (int i = 0; i < p.extend[b]; ++i, ++t) {
+      const int visible = p.prefix[b] + i + 1;
+      for (int h = 0; h < heads; ++h) {
+        std::vector<double> scores(static_cast<size_t>(visible));
+        double max_score = -kInf;
+        for (int j = 0; j < visible; ++j) {
+          double s = 0;
+          for (int d = 0; d < 192; ++d)
+            s += double(p.q.get((t * heads + h) * 192 + d)) * keys[(size_t(j) * heads + size_t(h)) * 192 + size_t(d)];
+          scores[size_t(j)] = s * kSoftmaxScale;
+          max_score = std::max(max_score, scores[size_t(j)]);
+        }
+        double sum = 0;
+        double* out = &ref.out[size_t((t * heads + h) * 128)];
+        for (int j = 0; j < visible; ++j) {
+          const double w = std::exp(scores[size_t(j)] - max_score);
+          sum += w;
+          for (int d = 0; d < 128; ++d) out[d] += w * values[(size_t(j) * heads + size_t(h)) * 128 + size_t(d)];
+        }
+        for (int d = 0; d < 128; ++d) out[d] /= sum;
+        ref.lse[size_t(t * heads + h)] = max_score + std::log(sum);
+      }
+    }
+  }
+  return ref;
+}
+
+// The model's up-projection callback: reads the gathered latents, writes k and v.
+UpProjectFn make_up_project(const UpProjection& proj, float k_scale, std::vector<int>* calls) {
+  return [&proj, k_scale, calls](int chunk_idx, const TensorView& latent, const TensorView& k,
+                                 const TensorView& v) {
+    if (calls) calls->push_back(chunk_idx);
+    const int heads = proj.heads;
+    std::vector<float> row(kLatentDim), k_row(size_t(heads) * 192), v_row(size_t(heads) * 128);
+    for (int64_t n = 0; n < latent.shape[0]; ++n) {
+      for (int d = 0; d < kLatentDim; ++d)
+        row[size_t(d)] = load_as_float(latent.data, latent.dtype, n * latent.stride[0] + d) *
+                         (latent.dtype == DType::kFP8E4M3 ? k_scale : 1.0f);
+      proj.project(row.data(), k.dtype, k_row.data(), v_row.data());
+      for (int e = 0; e < heads * 192; ++e) store_from_float(k.data, k.dtype, n * heads * 192 + e, k_row[size_t(e)]);
+      for (int e = 0; e < heads * 128; ++e) store_from_float(v.data, v.dtype, n * heads * 128 + e, v_row[size_t(e)]);
+    }
+  };
+}
+
+struct ExtendCase {
+  int page_size;
+  int64_t capacity;
+  std::vector<int> prefix, extend;
+};
+
+TEST(BackendExtend, ChunkedPrefixEqualsOneShotNaiveAttention) {
+  const ExtendCase cases[] = {
+      {8, 7, {0, 9, 21, 5}, {4, 1, 6, 0}},   // chunk boundaries inside requests
+      {1, 1000, {3, 17}, {2, 5}},            // one chunk
+      {32, 10, {4, 6, 10}, {3, 3, 1}},       // capacity hit exactly by request ends
+      {16, 5, {0, 0}, {5, 2}},               // no prefix: plain causal attention
+      {128, 64, {130, 1}, {1, 9}},           // long prefix, several chunks of one request
+  };
+  for (const ExtendCase& c : cases) {
+    std::mt19937_64 rng(uint64_t(c.page_size) * 7 + uint64_t(c.capacity));
+    const int heads = 3;
+    UpProjection proj(heads, rng);
+    Pool pool(c.page_size, 8 + 1024 / c.page_size, 512, 6, DType::kFP16, rng());
+    std::vector<int> slots;
+    for (size_t b = 0; b < c.prefix.size(); ++b) slots.push_back(int(5 - b));
+    ExtendProblem p = make_extend_problem(pool, proj, slots, c.prefix, c.extend, rng);
+    BackendConfig config = make_config(pool, heads);
+    config.prefix_chunk_capacity = c.capacity;
+    config.extend_prefix_path = ExtendPrefixPath::kChunked;
+    Backend backend(config);
+    const ForwardBatch batch = p.batch();
+    backend.init_forward_metadata(batch);
+    EXPECT_FALSE(backend.plan().extend.use_absorbed);
+    const LayerParams layer = make_layer(pool);
+    backend.save_latent_kv(batch, layer, p.k_nope.view(), p.k_pe.view());
+    std::vector<int> calls;
+    backend.forward_extend_chunked(batch, layer, p.mha_args(), make_up_project(proj, 1.0f, &calls));
+    int64_t total_prefix = 0;
+    for (int x : c.prefix) total_prefix += x;
+    EXPECT_EQ(int64_t(calls.size()), (total_prefix + c.capacity - 1) / c.capacity);
+    const Reference ref = naive_mha(pool, proj, p);
+    SCOPED_TRACE("page " + std::to_string(c.page_size) + " capacity " + std::to_string(c.capacity));
+    EXPECT_TRUE(all_close(p.out.to_float(), ref.out, kOutAtol, kOutRtol));
+    EXPECT_TRUE(all_close(p.lse.to_float(), ref.lse, kLseAtol, kLseRtol));
+  }
+}
+
+TEST(BackendExtend, StepByStepChunkedPathEqualsConvenience) {
+  std::mt19937_64 rng(99);
+  const int heads = 2;
+  UpProjection proj(heads, rng);
+  Pool pool(4, 256, 256, 4, DType::kFP16, 12);
+  ExtendProblem p = make_extend_problem(pool, proj, {0, 1, 2}, {11, 0, 6}, {3, 2, 4}, rng);
+  BackendConfig config = make_config(pool, heads);
+  config.prefix_chunk_capacity = 5;
+  config.extend_prefix_path = ExtendPrefixPath::kChunked;
+  Backend backend(config);
+  const ForwardBatch batch = p.batch();
+  backend.init_forward_metadata(batch);
+  const LayerParams layer = make_layer(pool);
+  ASSERT_EQ(backend.num_prefix_chunks(), 4);  // 17 prefix tokens in chunks of 5
+  backend.forward_extend_chunked(batch, layer, p.mha_args(), make_up_project(proj, 1.0f, nullptr));
+  const std::vector<float> convenience_out = p.out.to_float(), convenience_lse = p.lse.to_float();
+
+  // (a) new tokens, (b) gather, up-project, (c) attend each chunk, (d) merge.
+  p.out.fill_nan();
+  p.lse.fill_nan();
+  backend.forward_extend(batch, layer, p.mha_args());
+  const UpProjectFn up = make_up_project(proj, 1.0f, nullptr);
+  for (int c = 0; c < backend.num_prefix_chunks(); ++c) {
+    const PrefixChunk& chunk = backend.plan().extend.chunks[size_t(c)];
+    HostTensor latent = nan_tensor(DType::kFP16, {chunk.num_tokens, kLatentDim});
+    backend.gather_prefix_chunk(c, layer, latent.view());
+    // The gathered rows are the chunk's prefix tokens, request-major.
+    int64_t n = 0;
+    for (size_t b = 0; b < 3; ++b)
+      for (int pos = chunk.kv_begin[b]; pos < chunk.kv_begin[b] + chunk.kv_lens[b]; ++pos, ++n)
+        for (int d = 0; d < kLatentDim; ++d)
+          ASSERT_EQ(latent.get(n * kLatentDim + d), pool.latent[b][size_t(pos)][size_t(d)]);
+    ASSERT_EQ(n, chunk.num_tokens);
+    HostTensor k(DType::kFP16, {chunk.num_tokens, heads, 192}), v(DType::kFP16, {chunk.num_tokens, heads, 128});
+    up(c, latent.view(), k.view(), v.view());
+    HostTensor part_out = nan_tensor(DType::kFP32, {p.num_tokens, heads, 128});
+    HostTensor part_lse = nan_tensor(DType::kFP32, {p.num_tokens, heads});
+    MhaAttentionArgs chunk_args = p.mha_args();
+    chunk_args.k = k.view();
+    chunk_args.v = v.view();
+    chunk_args.out = part_out.view();
+    chunk_args.lse = part_lse.view();
+    backend.forward_prefix_chunk(batch, c, layer, chunk_args);
+    MergeStatesArgs merge;
+    merge.out_a = p.out.view();
+    merge.lse_a = p.lse.view();
+    merge.out_b = part_out.view();
+    merge.lse_b = part_lse.view();
+    merge.out = p.out.view();
+    merge.lse_out = p.lse.view();
+    merge_states(merge);
+  }
+  EXPECT_TRUE(all_close(p.out.to_float(), to_double(convenience_out), 1e-6, 1e-6));
+  EXPECT_TRUE(all_close(p.lse.to_float(), to_double(convenience_lse), 1e-6, 1e-6));
+  const Reference ref = naive_mha(pool, proj, p);
+  EXPECT_TRUE(all_close(p.out.to_float(), ref.out, kOutAtol, kOutRtol));
+}
+
+TEST(BackendExtend, AbsorbedPathEqualsNaiveAttention) {
+  const ExtendCase cases[] = {{8, 7, {0, 9, 21, 5}, {4, 1, 6, 0}}, {64, 100, {100, 3}, {2, 1}},
+                              {1, 4, {0, 0}, {3, 1}}};
+  for (const ExtendCase& c : cases) {
+    std::mt19937_64 rng(uint64_t(c.page_size) + 500);
+    const int heads = 3;
+    UpProjection proj(heads, rng);
+    Pool pool(c.page_size, 8 + 1024 / c.page_size, 512, 6, DType::kFP16, rng());
+    std::vector<int> slots;
+    for (size_t b = 0; b < c.prefix.size(); ++b) slots.push_back(int(b));
+    ExtendProblem p = make_extend_problem(pool, proj, slots, c.prefix, c.extend, rng);
+    BackendConfig config = make_config(pool, heads);
+    config.extend_prefix_path = ExtendPrefixPath::kAbsorbed;
+    Backend backend(config);
+    const ForwardBatch batch = p.batch();
+    backend.init_forward_metadata(batch);
+    EXPECT_TRUE(backend.plan().extend.use_absorbed);
+    backend.forward_extend_absorbed(batch, make_layer(pool), p.absorbed_args());
+    SCOPED_TRACE("page " + std::to_string(c.page_size));
+    // Exactly the absorbed attention of q_abs over the cached latents (new ones saved first).
+    Reference absorbed;
+    absorbed.out.assign(size_t(p.num_tokens * heads * kKvLoraRank), 0.0);
+    absorbed.lse.assign(size_t(p.num_tokens * heads), 0.0);
+    int64_t t = 0;
+    std::vector<double> q(kLatentDim);
+    for (size_t b = 0; b < slots.size(); ++b)
+      for (int i = 0; i < c.extend[b]; ++i, ++t)
+        for (int h = 0; h < heads; ++h) {
+          for (int d = 0; d < kLatentDim; ++d) q[size_t(d)] = p.q_abs.get((t * heads + h) * kLatentDim + d);
+          naive_absorbed_row(pool.latent[size_t(slots[b])], c.prefix[b] + i + 1, q.data(),
+                             &absorbed.out[size_t((t * heads + h) * kKvLoraRank)],
+                             &absorbed.lse[size_t(t * heads + h)]);
+        }
+    EXPECT_TRUE(all_close(p.out_abs.to_float(), absorbed.out, kOutAtol, kOutRtol));
+    EXPECT_TRUE(all_close(p.lse_abs.to_float(), absorbed.lse, kLseAtol, kLseRtol));
+    // And, through W_UV, the one-shot MHA attention (keys rounded differently in the two forms:
+    // W_UK c to fp16 there, W_UK^T q to fp16 here).
+    const Reference mha = naive_mha(pool, proj, p);
+    std::vector<float> projected(size_t(p.num_tokens * heads * 128));
+    for (int64_t row = 0; row < p.num_tokens; ++row)
+      for (int h = 0; h < heads; ++h)
+        for (int i = 0; i < 128; ++i) {
+          double sum = 0;
+          for (int d = 0; d < kKvLoraRank; ++d)
+            sum += proj.w_uv[(size_t(h) * 128 + size_t(i)) * kKvLoraRank + size_t(d)] *
+                   p.out_abs.get((row * heads + h) * kKvLoraRank + d);
+          projected[size_t((row * heads + h) * 128 + i)] = float(sum);
+        }
+    EXPECT_TRUE(all_close(projected, mha.out, 3e-3, 3e-3));
+    EXPECT_TRUE(all_close(p.lse_abs.to_float(), mha.lse, 3e-3, 3e-3));
+  }
+}
+
+TEST(BackendExtend, AutomaticPathFollowsTheDocumentedRule) {
+  std::mt19937_64 rng(4);
+  UpProjection proj(1, rng);
+  Pool pool(16, 64, 512, 4, DType::kFP16, 2);
+  BackendConfig config = make_config(pool, 1);
+  config.absorbed_max_extend_len = 4;
+  Backend backend(config);
+  // Prefix-weighted mean extend length (2*40 + 9*10) / 50 = 3.4 <= 4: absorbed.
+  ExtendProblem few = make_extend_problem(pool, proj, {0, 1}, {40, 10}, {2, 9}, rng);
+  backend.init_forward_metadata(few.batch());
+  EXPECT_TRUE(backend.plan().extend.use_absorbed);
+  // (5*40 + 9*10) / 50 = 5.8 > 4: chunked.
+  ExtendProblem many = make_extend_problem(pool, proj, {2, 3}, {40, 10}, {5, 9}, rng);
+  backend.init_forward_metadata(many.batch());
+  EXPECT_FALSE(backend.plan().extend.use_absorbed);
+  // No prefix: plain MHA, no chunks.
+  ExtendProblem fresh = make_extend_problem(pool, proj, {0}, {0}, {7}, rng);
+  backend.init_forward_metadata(fresh.batch());
+  EXPECT_FALSE(backend.plan().extend.use_absorbed);
+  EXPECT_EQ(backend.num_prefix_chunks(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Re-planning when data-parallel padding grew the batch after planning
+
+TEST(BackendReplan, ForwardOfALargerBatchReplansInsteadOfReadingPastThePlan) {
+  std::mt19937_64 rng(61);
+  const int heads = 4;
+  Pool pool(16, 64, 256, 4, DType::kFP16, 6);
+  AbsorbedProblem p = make_absorbed_problem(pool, {{0, 30, 1}, {1, 7, 1}, {2, 100, 1}}, heads,
+                                            DType::kFP16, rng);
+  Backend backend(make_config(pool, heads));
+  ForwardBatch planned = p.batch(ForwardMode::kDecode);
+  planned.batch_size = 2;  // planned before the padding request was added
+  planned.seq_lens_cpu = std::span<const int32_t>(p.seq_lens_cpu).first(2);
+  backend.init_forward_metadata(planned);
+  ASSERT_EQ(backend.plan().batch_size, 2);
+  const ForwardBatch grown = p.batch(ForwardMode::kDecode);
+  backend.forward_decode(grown, make_layer(pool), p.args());
+  EXPECT_EQ(backend.plan().batch_size, 3);
+  expect_matches(p, naive_absorbed(pool, p), "re-planned decode");
+
+  // A draft step that sees a grown batch re-plans every step (with its offset).
+  const int num_steps = 3;
+  std::vector<Request> base = {{0, 31, 1}, {1, 8, 1}, {3, 12, 1}};
+  for (const Request& r : base) pool.reserve(r.slot, r.cached + num_steps);
+  AbsorbedProblem first = make_absorbed_problem(pool, base, heads, DType::kFP16, rng);
+  MultiStepDraftBackend draft(num_steps, make_config(pool, heads));
+  ForwardBatch small = first.batch(ForwardMode::kDecode, false);
+  small.batch_size = 1;
+  draft.init_forward_metadata(small);
+  draft.step(0).forward_decode(first.batch(ForwardMode::kDecode, false), make_layer(pool), first.args());
+  expect_matches(first, naive_absorbed(pool, first), "draft step 0 after re-plan");
+  EXPECT_EQ(draft.step(1).plan().batch_size, 3);
+  std::vector<Request> step1 = base;
+  for (Request& r : step1) r.cached += 1;
+  AbsorbedProblem second = make_absorbed_problem(pool, step1, heads, DType::kFP16, rng, false);
+  ForwardBatch step1_batch = second.batch(ForwardMode::kDecode, false);
+  step1_batch.seq_lens = first.seq_lens.view();  // the same batch for every step
+  draft.step(1).forward_decode(step1_batch, make_layer(pool), second.args());
+  expect_matches(second, naive_absorbed(pool, second), "draft step 1 after re-plan");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input names the argument
+
+TEST(BackendErrors, BadConfigNamesTheField) {
+  Pool pool(16, 8, 64, 2, DType::kBF16, 1);
+  const auto bad = [&](auto edit, std::initializer_list<const char*> fragments) {
+    BackendConfig c = make_config(pool, 4, DType::kBF16);
+    edit(c);
+    return throws_error([&] { Backend backend(c); }, fragments);
+  };
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.num_q_heads = 0; }, {"config.num_q_heads", "1..128"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.num_q_heads = 129; }, {"config.num_q_heads"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.page_size = 24; }, {"config.page_size", "power of two"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.page_size = 256; }, {"config.page_size"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.kv_cache_dtype = DType::kFP32; }, {"config.kv_cache_dtype"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.q_dtype = DType::kFP16; }, {"config.q_dtype", "bf16"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.out_dtype = DType::kInt32; }, {"config.out_dtype"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.req_to_token = TensorView{}; }, {"config.req_to_token"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.req_to_token.dtype = DType::kInt64; }, {"config.req_to_token", "int32"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.max_context_len = 65; }, {"config.max_context_len"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.prefix_chunk_capacity = 0; }, {"config.prefix_chunk_capacity"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.num_draft_tokens = -1; }, {"config.num_draft_tokens"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.absorbed_max_extend_len = -1; }, {"config.absorbed_max_extend_len"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.device = Device::cuda(0); }, {"config.req_to_token", "cuda:0"}));
+  EXPECT_TRUE(throws_error([] { MultiStepDraftBackend d(0, BackendConfig{}); }, {"num_steps"}));
+}
+
+TEST(BackendErrors, BadBatchesAndForwardsNameTheArgument) {
+  std::mt19937_64 rng(13);
+  const int heads = 4;
+  Pool pool(16, 64, 128, 4, DType::kFP16, 6);
+  AbsorbedProblem p = make_absorbed_problem(pool, {{0, 10, 1}, {1, 20, 1}}, heads, DType::kFP16, rng);
+  BackendConfig config = make_config(pool, heads);
+  Backend backend(config);
+  const LayerParams layer = make_layer(pool);
+  const ForwardBatch good = p.batch(ForwardMode::kDecode);
+
+  // Forward before any plan.
+  EXPECT_TRUE(throws_error([&] { backend.forward_decode(good, layer, p.args()); }, {"forward_decode", "init_forward_metadata"}));
+
+  // Planning.
+  const auto plan_error = [&](auto edit, std::initializer_list<const char*> fragments) {
+    ForwardBatch b = good;
+    HostTensor keep = p.seq_lens;  // storage for edits that swap tensors
+    edit(b, keep);
+    return throws_error([&] { backend.init_forward_metadata(b); }, fragments);
+  };
+  EXPECT_TRUE(plan_error([](ForwardBatch& b, HostTensor&) { b.batch_size = -1; }, {"batch.batch_size"}));
+  EXPECT_TRUE(plan_error([](ForwardBatch& b, HostTensor&) { b.batch_size = 3; }, {"batch.req_pool_indices", "3"}));
+  EXPECT_TRUE(plan_error([](ForwardBatch& b, HostTensor&) { b.seq_lens = TensorView{}; }, {"batch.seq_lens"}));
+  EXPECT_TRUE(plan_error([](ForwardBatch& b, HostTensor& t) {
+    t = HostTensor(DType::kFP32, {2});
+    b.seq_lens = t.view();
+  }, {"batch.seq_lens", "int32"}));
+  EXPECT_TRUE(plan_error([](ForwardBatch& b, HostTensor&) { b.seq_lens.device = Device::cuda(0); }, {"batch.seq_lens", "cuda:0"}));
+  std::vector<int32_t> too_long = {10, 129};
+  EXPECT_TRUE(plan_error([&](ForwardBatch& b, HostTensor&) { b.seq_lens_cpu = too_long; }, {"batch.seq_lens_cpu[1]", "max_context_len"}));
+  std::vector<int32_t> one = {11};
+  EXPECT_TRUE(plan_error([&](ForwardBatch& b, HostTensor&) { b.seq_lens_cpu = one; }, {"batch.seq_lens_cpu", "2"}));
+  EXPECT_TRUE(plan_error([](ForwardBatch& b, HostTensor&) { b.mode = ForwardMode::kTargetVerify; }, {"TARGET_VERIFY", "num_draft_tokens"}));
+  EXPECT_TRUE(plan_error([](ForwardBatch& b, HostTensor&) {
+    b.mode = ForwardMode::kDraftExtend;
+    b.extend_seq_lens = TensorView{};
+    b.extend_seq_lens_cpu = {};
+  }, {"DRAFT_EXTEND", "batch.extend_seq_lens"}));
+  EXPECT_TRUE(plan_error([](ForwardBatch& b, HostTensor&) { b.mode = ForwardMode::kExtend; }, {"batch.extend_seq_lens_cpu"}));
+  std::vector<int32_t> extend = {1, 1}, prefix = {10, 200};
+  EXPECT_TRUE(plan_error([&](ForwardBatch& b, HostTensor&) {
+    b.mode = ForwardMode::kExtend;
+    b.extend_seq_lens_cpu = extend;
+    b.extend_prefix_lens_cpu = prefix;
+    b.seq_lens_cpu = {};
+  }, {"batch.extend_prefix_lens_cpu[1]", "max_context_len"}));
+  EXPECT_TRUE(plan_error([&](ForwardBatch& b, HostTensor&) {
+    b.mode = ForwardMode::kExtend;
+    b.extend_seq_lens_cpu = extend;
+    b.extend_prefix_lens_cpu = extend;
+  }, {"batch.seq_lens_cpu[0]", "extend_prefix_lens_cpu[0]"}));
+
+  backend.init_forward_metadata(good);
+  const auto forward_error = [&](auto edit, std::initializer_list<const char*> fragments) {
+    AbsorbedAttentionArgs a = p.args();
+    LayerParams l = layer;
+    ForwardBatch b = good;
+    edit(a, l, b);
+    return throws_error([&] { backend.forward_decode(b, l, a); }, fragments);
+  };
+  HostTensor wrong_heads(DType::kFP16, {2, heads + 1, kLatentDim});
+  HostTensor wrong_tokens(DType::kFP16, {3, heads, kLatentDim});
+  HostTensor wrong_dtype(DType::kBF16, {2, heads, kLatentDim});
+  HostTensor wrong_out(DType::kBF16, {2, heads, kKvLoraRank});
+  EXPECT_TRUE(forward_error([&](auto& a, auto&, auto&) { a.q = wrong_heads.view(); }, {"args.q", "num_q_heads"}));
+  EXPECT_TRUE(forward_error([&](auto& a, auto&, auto&) { a.q = wrong_tokens.view(); }, {"args.q", "3 tokens", "has 2"}));
+  EXPECT_TRUE(forward_error([&](auto& a, auto&, auto&) { a.q = wrong_dtype.view(); }, {"args.q", "fp16"}));
+  EXPECT_TRUE(forward_error([&](auto& a, auto&, auto&) { a.q = TensorView{}; }, {"args.q", "none was given"}));
+  EXPECT_TRUE(forward_error([&](auto& a, auto&, auto&) { a.q_nope = wrong_heads.view(); }, {"both were given"}));
+  EXPECT_TRUE(forward_error([&](auto& a, auto&, auto&) { a.out = wrong_out.view(); }, {"args.out", "fp32"}));
+  EXPECT_TRUE(forward_error([&](auto& a, auto&, auto&) { a.k_nope = TensorView{}; }, {"args.k_nope", "save_kv_cache"}));
+  EXPECT_TRUE(forward_error([&](auto&, auto&, auto& b) { b.out_cache_loc = TensorView{}; }, {"batch.out_cache_loc"}));
+  EXPECT_TRUE(forward_error([&](auto&, auto& l, auto&) { l.softmax_scale = 0; }, {"layer.softmax_scale"}));
+  EXPECT_TRUE(forward_error([&](auto&, auto& l, auto&) { l.k_scale = -1; }, {"layer.k_scale"}));
+  EXPECT_TRUE(forward_error([&](auto&, auto& l, auto&) { l.kv_cache.shape[1] = 8; }, {"layer.kv_cache", "page size"}));
+  EXPECT_TRUE(forward_error([&](auto&, auto& l, auto&) { l.kv_cache.dtype = DType::kBF16; }, {"layer.kv_cache", "fp16"}));
+  EXPECT_TRUE(forward_error([&](auto&, auto&, auto& b) { b.mode = ForwardMode::kTargetVerify; }, {"batch.mode", "plan was made for DECODE"}));
+  EXPECT_TRUE(forward_error([&](auto&, auto&, auto& b) { b.mode = ForwardMode::kExtend; }, {"forward_decode", "batch.mode"}));
+  EXPECT_TRUE(forward_error([&](auto&, auto&, auto& b) { b.batch_size = 1; }, {"batch.batch_size is 1", "2 requests"}));
+  EXPECT_TRUE(forward_error([&](auto& a, auto&, auto& b) {
+    static HostTensor cos_sin(DType::kFP32, {8, kRopeDim});
+    a.cos_sin_cache = cos_sin.view();
+    b.positions = TensorView{};
+  }, {"batch.positions"}));
+
+  // EXTEND-only entries on a decode plan, and bad chunk indices.
+  HostTensor latent(DType::kFP16, {1, kLatentDim});
+  EXPECT_TRUE(throws_error([&] { backend.gather_prefix_chunk(0, layer, latent.view()); }, {"gather_prefix_chunk", "EXTEND"}));
+  EXPECT_TRUE(throws_error([&] { backend.forward_extend(good, layer, MhaAttentionArgs{}); }, {"forward_extend", "batch.mode"}));
+  UpProjection proj(heads, rng);
+  ExtendProblem e = make_extend_problem(pool, proj, {2, 3}, {7, 3}, {2, 1}, rng);
+  BackendConfig small = config;
+  small.prefix_chunk_capacity = 4;
+  Backend extender(small);
+  extender.init_forward_metadata(e.batch());
+  ASSERT_EQ(extender.num_prefix_chunks(), 3);
+  EXPECT_TRUE(throws_error([&] { extender.gather_prefix_chunk(3, layer, latent.view()); }, {"chunk_idx", "[0, 3)"}));
+  EXPECT_TRUE(throws_error([&] { extender.gather_prefix_chunk(0, layer, latent.view()); }, {"latent_out", "4"}));
+  HostTensor latent_bf16(DType::kBF16, {4, kLatentDim});
+  EXPECT_TRUE(throws_error([&] { extender.gather_prefix_chunk(0, layer, latent_bf16.view()); }, {"latent_out", "fp16"}));
+  MhaAttentionArgs mha = e.mha_args();
+  EXPECT_TRUE(throws_error([&] { extender.forward_prefix_chunk(e.batch(), 0, layer, mha); }, {"args.k", "keys"}));
+  mha.q = e.k.view();  // right shape
+  HostTensor wrong_q(DType::kFP16, {2, heads, 192});
+  mha.q = wrong_q.view();
+  EXPECT_TRUE(throws_error([&] { extender.forward_extend(e.batch(), layer, mha); }, {"args.q", "tokens"}));
+  EXPECT_TRUE(throws_error([&] { extender.forward_extend_chunked(e.batch(), layer, e.mha_args(), nullptr); }, {"up_project"}));
+  // A workspace too small for the chunked path says how much is needed.
+  BackendConfig tiny = small;
+  tiny.workspace_bytes = 1024;
+  Backend starved(tiny);
+  starved.init_forward_metadata(e.batch());
+  EXPECT_TRUE(throws_error([&] {
+    starved.forward_extend_chunked(e.batch(), layer, e.mha_args(), make_up_project(proj, 1.0f, nullptr));
+  }, {"workspace", "too small"}));
+  EXPECT_GE(Backend::chunked_extend_workspace_bytes(small, e.num_tokens), size_t(4 * kLatentDim * 2));
+
+  // CUDA-graph entries.
+  EXPECT_TRUE(throws_error([&] {
+    backend.init_forward_metadata_replay_cuda_graph(1, p.req_pool_indices.view(), p.seq_lens.view(), ForwardMode::kDecode);
+  }, {"init_cuda_graph_state"}));
+  EXPECT_TRUE(throws_error([&] { backend.init_cuda_graph_state(0, 4); }, {"max_bs"}));
+  EXPECT_TRUE(throws_error([&] { backend.init_cuda_graph_state(4, 2); }, {"max_num_tokens"}));
+  backend.init_cuda_graph_state(2, 4);
+  EXPECT_TRUE(throws_error([&] {
+    backend.init_forward_metadata_capture_cuda_graph(3, 3, p.req_pool_indices.view(), p.seq_lens.view(), ForwardMode::kDecode);
+  }, {"bs", "max_bs = 2"}));
+  EXPECT_TRUE(throws_error([&] {
+    backend.init_forward_metadata_capture_cuda_graph(2, 3, p.req_pool_indices.view(), p.seq_lens.view(), ForwardMode::kDecode);
+  }, {"num_tokens", "2"}));
+  EXPECT_TRUE(throws_error([&] {
+    backend.init_forward_metadata_capture_cuda_graph(2, 2, p.req_pool_indices.view(), p.seq_lens.view(), ForwardMode::kExtend);
+  }, {"mode", "EXTEND"}));
+  EXPECT_TRUE(throws_error([&] {
+    backend.init_forward_metadata_replay_cuda_graph(2, p.req_pool_indices.view(), TensorView{}, ForwardMode::kDecode);
+  }, {"seq_lens"}));
+}
+
 }  // namespace
 }  // namespace mla
