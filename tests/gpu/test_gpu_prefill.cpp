@@ -19,6 +19,7 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "gpu_util.hpp"
@@ -65,6 +66,18 @@ int64_t offset_of(const TensorView& t, int64_t i0, int64_t i1, int64_t i2 = 0) {
 }
 double element(const TensorView& t, int64_t i0, int64_t i1, int64_t i2) {
   return double(load_as_float(t.data, t.dtype, offset_of(t, i0, i1, i2)));
+}
+
+// Calls fn(i) for i in [0, n) on all host cores (the float64 references dominate test time).
+template <typename Fn>
+void parallel_for_each(int64_t n, Fn&& fn) {
+  const int64_t workers = std::min<int64_t>(n, std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> threads;
+  for (int64_t w = 0; w < workers; ++w)
+    threads.emplace_back([&, w] {
+      for (int64_t i = w; i < n; i += workers) fn(i);
+    });
+  for (std::thread& t : threads) t.join();
 }
 
 std::vector<int32_t> cumulative(const std::vector<int>& lens) {
@@ -116,6 +129,7 @@ struct PrefillCase {
   float softmax_scale = 0.3f;  // larger than 1/sqrt(192) to make the softmax peaked
   float q_scale = 0.5f, k_scale = 0.25f, v_scale = 0.125f;  // used for fp8 inputs
   int max_q_len_slack = 0;  // added to the true max q_len for the GPU launch bound
+  bool cuda_graph = false;  // launch inside a CUDA-graph capture (no host sync, no allocation)
   uint64_t seed = 1;
 };
 
@@ -207,15 +221,19 @@ Expected naive_all(const PrefillCase& c, const PrefillBuffers& buf) {
   Expected e;
   e.out.assign(size_t(buf.out.numel()), kNaN);
   e.lse.assign(size_t(buf.lse.numel()), kNaN);
-  for (size_t b = 0; b < c.q_lens.size(); ++b)
-    for (int64_t i = 0; i < c.q_lens[b]; ++i)
-      for (int64_t h = 0; h < c.heads; ++h) {
-        double row[kVDim];
-        const double lse = naive_row(a, cu_q[b], c.q_lens[b], cu_kv[b], c.kv_lens[b], i, h, row);
-        const int64_t t = cu_q[b] + i;
-        std::copy(row, row + kVDim, e.out.begin() + offset_of(a.out, t, h));
-        if (c.with_lse) e.lse[size_t(offset_of(a.lse, t, h))] = lse;
-      }
+  // Each (request, head) writes its own rows, so the work splits over threads without locks.
+  const int64_t batch = int64_t(c.q_lens.size());
+  parallel_for_each(batch * c.heads, [&](int64_t item) {
+    const int64_t b = item / c.heads, h = item % c.heads;
+    for (int64_t i = 0; i < c.q_lens[size_t(b)]; ++i) {
+      double row[kVDim];
+      const double lse = naive_row(a, cu_q[size_t(b)], c.q_lens[size_t(b)], cu_kv[size_t(b)],
+                                   c.kv_lens[size_t(b)], i, h, row);
+      const int64_t t = cu_q[size_t(b)] + i;
+      std::copy(row, row + kVDim, e.out.begin() + offset_of(a.out, t, h));
+      if (c.with_lse) e.lse[size_t(offset_of(a.lse, t, h))] = lse;
+    }
+  });
   return e;
 }
 
@@ -256,7 +274,12 @@ void run_gpu(const PrefillCase& c, PrefillBuffers& buf, HostTensor& out_gpu, Hos
   }
   a.max_q_len = (c.q_lens.empty() ? 0 : *std::max_element(c.q_lens.begin(), c.q_lens.end())) +
                 c.max_q_len_slack;
-  mla::mha_prefill(a, nullptr);
+  a.max_kv_len = std::max(1, c.kv_lens.empty() ? 0 : *std::max_element(c.kv_lens.begin(), c.kv_lens.end()));
+  if (c.cuda_graph) {
+    EXPECT_TRUE(run_in_cuda_graph([&](Stream stream) { mla::mha_prefill(a, stream); }));
+  } else {
+    mla::mha_prefill(a, nullptr);
+  }
   if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error("kernel failed");
   d_out.download();
   if (d_lse) d_lse->download();
@@ -404,6 +427,17 @@ TEST(MhaPrefillGpu, ChunkedPrefixAndEmptyRows) {
   }
 }
 
+TEST(MhaPrefillGpu, CapturedInCudaGraph) {
+  MLA_REQUIRE_GPU();
+  PrefillCase c;
+  c.q_lens = {5, 0, 70};
+  c.kv_lens = {9, 4, 70};
+  c.heads = 4;
+  c.cuda_graph = true;
+  c.seed = 85;
+  check_case(c);
+}
+
 TEST(MhaPrefillGpu, EmptyBatches) {
   MLA_REQUIRE_GPU();
   // No requests (IDLE) and requests with no queries at all: nothing to do, nothing written.
@@ -422,34 +456,39 @@ TEST(MhaPrefillGpu, EmptyBatches) {
 
 // Sampled rows of one long request against the float64 naive (the CPU implementation would be
 // too slow here).
-void check_long(const PrefillCase& c, const std::vector<int64_t>& rows) {
+void check_long(PrefillCase c, const std::vector<int64_t>& rows,
+                std::initializer_list<bool> causal_modes) {
   PrefillBuffers buf;
   make_buffers(c, buf);
-  HostTensor out_gpu, lse_gpu;
-  const auto t0 = std::chrono::steady_clock::now();
-  run_gpu(c, buf, out_gpu, lse_gpu);
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("  long prefill q %d kv %d heads %lld: GPU call incl. copies %.1f ms\n", c.q_lens[0],
-              c.kv_lens[0], static_cast<long long>(c.heads), ms);
-  const Tolerance tol = out_tolerance(c.in, c.out);
-  std::vector<float> got_out, got_lse;
-  std::vector<double> want_out, want_lse;
-  for (int64_t i : rows)
-    for (int64_t h = 0; h < c.heads; ++h) {
-      double row[kVDim];
-      const double lse = naive_row(buf.args, 0, c.q_lens[0], 0, c.kv_lens[0], i, h, row);
-      for (int64_t d = 0; d < kVDim; ++d) {
-        got_out.push_back(out_gpu.get(offset_of(buf.args.out, i, h, d)));
-        want_out.push_back(row[d]);
-      }
-      got_lse.push_back(lse_gpu.get(offset_of(buf.args.lse, i, h)));
-      want_lse.push_back(lse);
-    }
-  EXPECT_TRUE(all_close(got_out, want_out, tol.atol, tol.rtol)) << "sampled out rows";
-  EXPECT_TRUE(all_close(got_lse, want_lse, kLseTolerance.atol, kLseTolerance.rtol)) << "sampled lse";
-  // Every row must be finite (no row sees zero keys here).
-  const std::vector<float> all = out_gpu.to_float();
-  EXPECT_EQ(std::count_if(all.begin(), all.end(), [](float x) { return !std::isfinite(x); }), 0);
+  for (bool causal : causal_modes) {
+    c.causal = causal;
+    buf.args.causal = causal;
+    SCOPED_TRACE(describe(c));
+    HostTensor out_gpu, lse_gpu;
+    const auto t0 = std::chrono::steady_clock::now();
+    run_gpu(c, buf, out_gpu, lse_gpu);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("  long prefill q %d kv %d heads %lld %s: GPU call incl. copies %.1f ms\n", c.q_lens[0],
+                c.kv_lens[0], static_cast<long long>(c.heads), causal ? "causal" : "non-causal", ms);
+    const Tolerance tol = out_tolerance(c.in, c.out);
+    const int64_t samples = int64_t(rows.size()) * c.heads;
+    const size_t num_values = static_cast<size_t>(samples * kVDim), num_rows = static_cast<size_t>(samples);
+    std::vector<float> got_out(num_values), got_lse(num_rows);
+    std::vector<double> want_out(num_values), want_lse(num_rows);
+    parallel_for_each(samples, [&](int64_t s) {
+      const int64_t i = rows[size_t(s / c.heads)], h = s % c.heads;
+      want_lse[size_t(s)] = naive_row(buf.args, 0, c.q_lens[0], 0, c.kv_lens[0], i, h,
+                                      want_out.data() + s * kVDim);
+      for (int64_t d = 0; d < kVDim; ++d)
+        got_out[size_t(s * kVDim + d)] = out_gpu.get(offset_of(buf.args.out, i, h, d));
+      got_lse[size_t(s)] = lse_gpu.get(offset_of(buf.args.lse, i, h));
+    });
+    EXPECT_TRUE(all_close(got_out, want_out, tol.atol, tol.rtol)) << "sampled out rows";
+    EXPECT_TRUE(all_close(got_lse, want_lse, kLseTolerance.atol, kLseTolerance.rtol)) << "sampled lse";
+    // Every row must be finite (no row sees zero keys here).
+    const std::vector<float> all = out_gpu.to_float();
+    EXPECT_EQ(std::count_if(all.begin(), all.end(), [](float x) { return !std::isfinite(x); }), 0);
+  }
 }
 
 TEST(MhaPrefillGpu, LongSingleRequestCausal16k) {
@@ -460,7 +499,7 @@ TEST(MhaPrefillGpu, LongSingleRequestCausal16k) {
   c.heads = 16;
   c.softmax_scale = float(1.0 / std::sqrt(192.0));
   c.seed = 90;
-  check_long(c, {0, 1, 63, 64, 65, 1000, 4097, 8191, 12288, 16383});
+  check_long(c, {0, 1, 63, 64, 65, 1000, 4097, 8191, 12288, 16383}, {true});
 }
 
 TEST(MhaPrefillGpu, LongKvNonCausalFp8) {
@@ -471,11 +510,9 @@ TEST(MhaPrefillGpu, LongKvNonCausalFp8) {
   c.heads = 16;
   c.in = DType::kFP8E4M3;
   c.out = DType::kBF16;
-  c.causal = false;
   c.seed = 91;
-  check_long(c, {0, 150, 299});
-  c.causal = true;  // bottom-right aligned: row i sees 32468 + i + 1 keys
-  check_long(c, {0, 299});
+  // Causal is bottom-right aligned: row i sees 32468 + i + 1 keys.
+  check_long(c, {0, 150, 299}, {false, true});
 }
 
 // A max_q_len below a request's q_len is a caller error the GPU cannot see without a host sync;
@@ -521,6 +558,7 @@ TEST(MhaPrefillGpu, BadArgumentsThrow) {
   a.out = d_out.view();
   a.lse = d_lse.view();
   a.max_q_len = 4;
+  a.max_kv_len = 5;
   EXPECT_NO_THROW(mla::mha_prefill(a));
   MLA_TEST_CUDA(cudaDeviceSynchronize());
   {

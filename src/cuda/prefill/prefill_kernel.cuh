@@ -176,7 +176,7 @@ __device__ __forceinline__ void store_out1(void* out, int64_t offset, OutKind ki
 
 // Query rows past grid_m * kBlockM exist only when max_q_len was smaller than a request's q_len;
 // they are filled with NaN (output and lse) so that the mistake cannot pass unnoticed.
-__device__ void poison_uncovered_rows(const MhaPrefillParams& p, int q_begin, int first_row,
+__device__ inline void poison_uncovered_rows(const MhaPrefillParams& p, int q_begin, int first_row,
                                       int q_len, int h) {
   const float nan = __int_as_float(0x7fffffff);
   for (int r = first_row; r < q_len; ++r) {
