@@ -134,7 +134,8 @@ class PrefillRunner {
   void run() {
     std::vector<WorkItem> items = make_items();
     std::atomic<size_t> next{0};
-    parallel_for(num_worker_threads(), [&](int64_t) {
+    const int64_t threads = std::min<int64_t>(num_worker_threads(), int64_t(items.size()));
+    parallel_for(threads, [&](int64_t) {
       Scratch scratch;
       for (size_t i = next++; i < items.size(); i = next++) run_item(items[i], scratch);
     });
