@@ -693,7 +693,7 @@ TEST(GpuDecodeGraph, CaptureAndReplayWithNewLengths) {
   constexpr int kPages = kMaxBatch * kMaxBlocks + 4;
   constexpr int kMaxTokens = kMaxBatch * kMaxQLen;
   cudaStream_t stream;
-  MLA_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MLA_TEST_CUDA(cudaStreamCreate(&stream));  // blocking: ordered after the legacy-stream copies
   DeviceBuffer q(size_t(kMaxTokens) * kHeads * kDim * 2), cache(size_t(kPages) * kPageSize * kDim * 2),
       bt(size_t(kMaxBatch) * kMaxBlocks * 4), kv_lens(kMaxBatch * 4), cu((kMaxBatch + 1) * 4),
       out(size_t(kMaxTokens) * kHeads * kVDim * 2), lse(size_t(kMaxTokens) * kHeads * 4);
@@ -776,8 +776,8 @@ TEST(GpuDecodeGraph, CaptureAndReplayWithNewLengths) {
         MLA_TEST_CUDA(cudaMemcpy(cu.ptr, d.cu_q_lens.data(), d.cu_q_lens.bytes.size(), cudaMemcpyHostToDevice));
 
         // Replay.
-        MLA_TEST_CUDA(cudaMemset(out.ptr, 0xff, out.bytes));
-        MLA_TEST_CUDA(cudaMemset(lse.ptr, 0xff, lse.bytes));
+        MLA_TEST_CUDA(cudaMemsetAsync(out.ptr, 0xff, out.bytes, stream));
+        MLA_TEST_CUDA(cudaMemsetAsync(lse.ptr, 0xff, lse.bytes, stream));
         MLA_TEST_CUDA(cudaGraphLaunch(exec, stream));
         MLA_TEST_CUDA(cudaStreamSynchronize(stream));
         HostTensor out_graph(DType::kBF16, {tokens, kHeads, kVDim}), lse_graph(DType::kFP32, {tokens, kHeads});
@@ -785,8 +785,8 @@ TEST(GpuDecodeGraph, CaptureAndReplayWithNewLengths) {
         MLA_TEST_CUDA(cudaMemcpy(lse_graph.data(), lse.ptr, lse_graph.bytes.size(), cudaMemcpyDeviceToHost));
 
         // Eager run on the same buffers.
-        MLA_TEST_CUDA(cudaMemset(out.ptr, 0xff, out.bytes));
-        MLA_TEST_CUDA(cudaMemset(lse.ptr, 0xff, lse.bytes));
+        MLA_TEST_CUDA(cudaMemsetAsync(out.ptr, 0xff, out.bytes, stream));
+        MLA_TEST_CUDA(cudaMemsetAsync(lse.ptr, 0xff, lse.bytes, stream));
         MlaDecodeArgs eager = args_for(tokens);
         plan_decode(sched.schedule, eager.kv_lens, eager.cu_q_lens, eager.q_len, eager.max_q_len, stream);
         mla_decode(eager, stream);
