@@ -82,7 +82,8 @@ struct PrefixChunk {
   int64_t num_tokens = 0;           // N: prefix tokens in the chunk, all requests together
   int max_kv_len = 0;               // longest range of one request in the chunk
   bool has_empty_rows = false;      // some request has no token in the chunk (its rows: lse -inf)
-  std::vector<int32_t> kv_begin;    // [B] first prefix position of request b's range
+  std::vector<int32_t> kv_begin;    // [B] first prefix position of request b's range (an empty
+                                    // range sits where the chunk meets the request: 0 or prefix_b)
   std::vector<int32_t> kv_lens;     // [B] length of request b's range
   std::vector<int32_t> cu_kv_lens;  // [B + 1] prefix sums of kv_lens (host copy)
   // Set by the Backend (views into its plan buffers on its device):

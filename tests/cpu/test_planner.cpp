@@ -1,0 +1,269 @@
+// The planner: block-table widths and contents, prefix chunking, the EXTEND path decision, and
+// the device metadata an EXTEND plan holds (slots, cumulative lengths).
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "mla/backend.hpp"
+#include "mla/plan.hpp"
+#include "test_util.hpp"
+
+namespace mla {
+namespace {
+
+using test::HostTensor;
+using test::throws_error;
+
+std::vector<int32_t> read_int32(const TensorView& t) {
+  std::vector<int32_t> v(size_t(t.numel()));
+  const auto* data = static_cast<const int32_t*>(t.data);
+  if (t.ndim == 1) {
+    for (int64_t i = 0; i < t.shape[0]; ++i) v[size_t(i)] = data[i * t.stride[0]];
+  } else {
+    for (int64_t r = 0; r < t.shape[0]; ++r)
+      for (int64_t c = 0; c < t.shape[1]; ++c)
+        v[size_t(r * t.shape[1] + c)] = data[r * t.stride[0] + c * t.stride[1]];
+  }
+  return v;
+}
+
+TEST(Planner, ForwardModeNames) {
+  EXPECT_EQ(forward_mode_name(ForwardMode::kDecode), "DECODE");
+  EXPECT_EQ(forward_mode_name(ForwardMode::kIdle), "IDLE");
+  EXPECT_EQ(forward_mode_name(ForwardMode::kExtend), "EXTEND");
+  EXPECT_EQ(forward_mode_name(ForwardMode::kTargetVerify), "TARGET_VERIFY");
+  EXPECT_EQ(forward_mode_name(ForwardMode::kDraftExtend), "DRAFT_EXTEND");
+  EXPECT_TRUE(is_decode_family(ForwardMode::kDecode));
+  EXPECT_TRUE(is_decode_family(ForwardMode::kTargetVerify));
+  EXPECT_TRUE(is_decode_family(ForwardMode::kDraftExtend));
+  EXPECT_FALSE(is_decode_family(ForwardMode::kExtend));
+  EXPECT_FALSE(is_decode_family(ForwardMode::kIdle));
+}
+
+TEST(Planner, PaddedBlockCountRoundsToWholeGroupsOf128Tokens) {
+  for (int page_size = 1; page_size <= 128; page_size *= 2) {
+    const int granularity = std::max(1, 128 / page_size);
+    EXPECT_EQ(block_table_width_granularity(page_size), granularity);
+    EXPECT_EQ(padded_block_count(0, page_size), granularity);  // never an empty row
+    for (int64_t len : {int64_t(1), int64_t(2), int64_t(page_size - 1), int64_t(page_size),
+                        int64_t(page_size + 1), int64_t(127), int64_t(128), int64_t(129),
+                        int64_t(1000), int64_t(163840)}) {
+      if (len <= 0) continue;
+      const int blocks = padded_block_count(len, page_size);
+      SCOPED_TRACE("page " + std::to_string(page_size) + " len " + std::to_string(len));
+      EXPECT_EQ(blocks % granularity, 0);
+      EXPECT_GE(int64_t(blocks) * page_size, len);                    // covers the sequence
+      EXPECT_LT(int64_t(blocks - granularity) * page_size, len);      // and is the smallest such
+    }
+  }
+  // Examples from the reference behaviour: 64-token pages pad to an even count.
+  EXPECT_EQ(padded_block_count(129, 64), 4);
+  EXPECT_EQ(padded_block_count(128, 64), 2);
+  EXPECT_EQ(padded_block_count(129, 1), 256);
+  EXPECT_EQ(padded_block_count(129, 128), 2);
+  EXPECT_TRUE(throws_error([] { padded_block_count(10, 3); }, {"page_size"}));
+  EXPECT_TRUE(throws_error([] { padded_block_count(-1, 16); }, {"max_seq_len"}));
+}
+
+TEST(Planner, SplitsPrefixAcrossRequestBoundaries) {
+  // Request-major order: r0 [0, 5), r1 empty, r2 [5, 12); chunks of 4 tokens.
+  const std::vector<int32_t> prefix = {5, 0, 7};
+  const std::vector<PrefixChunk> chunks = split_prefix_into_chunks(prefix, 4);
+  ASSERT_EQ(chunks.size(), 3u);
+  EXPECT_EQ(chunks[0].first_token, 0);
+  EXPECT_EQ(chunks[0].num_tokens, 4);
+  EXPECT_EQ(chunks[0].kv_begin, (std::vector<int32_t>{0, 0, 0}));
+  EXPECT_EQ(chunks[0].kv_lens, (std::vector<int32_t>{4, 0, 0}));
+  EXPECT_EQ(chunks[0].cu_kv_lens, (std::vector<int32_t>{0, 4, 4, 4}));
+  EXPECT_EQ(chunks[0].max_kv_len, 4);
+  EXPECT_TRUE(chunks[0].has_empty_rows);
+  // The boundary at token 4 cuts request 0; chunk 1 holds its last token and r2's first three.
+  EXPECT_EQ(chunks[1].first_token, 4);
+  EXPECT_EQ(chunks[1].kv_begin, (std::vector<int32_t>{4, 0, 0}));
+  EXPECT_EQ(chunks[1].kv_lens, (std::vector<int32_t>{1, 0, 3}));
+  EXPECT_EQ(chunks[1].cu_kv_lens, (std::vector<int32_t>{0, 1, 1, 4}));
+  EXPECT_EQ(chunks[1].max_kv_len, 3);
+  EXPECT_EQ(chunks[2].first_token, 8);
+  EXPECT_EQ(chunks[2].num_tokens, 4);
+  EXPECT_EQ(chunks[2].kv_begin, (std::vector<int32_t>{5, 0, 3}));  // r0's empty range: at its end
+  EXPECT_EQ(chunks[2].kv_lens, (std::vector<int32_t>{0, 0, 4}));
+  EXPECT_EQ(chunks[2].max_kv_len, 4);
+}
+
+TEST(Planner, CapacityHitExactlyAndZeroPrefix) {
+  const std::vector<int32_t> prefix = {4, 4};
+  std::vector<PrefixChunk> chunks = split_prefix_into_chunks(prefix, 4);
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(chunks[0].kv_lens, (std::vector<int32_t>{4, 0}));
+  EXPECT_EQ(chunks[1].kv_lens, (std::vector<int32_t>{0, 4}));
+  EXPECT_EQ(chunks[1].kv_begin, (std::vector<int32_t>{4, 0}));  // r0 ended at the boundary
+  chunks = split_prefix_into_chunks(prefix, 8);
+  ASSERT_EQ(chunks.size(), 1u);
+  EXPECT_EQ(chunks[0].num_tokens, 8);
+  EXPECT_FALSE(chunks[0].has_empty_rows);
+  EXPECT_TRUE(split_prefix_into_chunks(std::vector<int32_t>{0, 0, 0}, 4).empty());
+  EXPECT_TRUE(split_prefix_into_chunks(std::vector<int32_t>{}, 4).empty());
+  chunks = split_prefix_into_chunks(std::vector<int32_t>{3}, 1);
+  ASSERT_EQ(chunks.size(), 3u);
+  for (int c = 0; c < 3; ++c) EXPECT_EQ(chunks[size_t(c)].kv_begin[0], c);
+  EXPECT_TRUE(throws_error([] { split_prefix_into_chunks(std::vector<int32_t>{1}, 0); }, {"chunk_capacity"}));
+  EXPECT_TRUE(throws_error([] { split_prefix_into_chunks(std::vector<int32_t>{1, -2}, 4); }, {"prefix_lens[1]"}));
+}
+
+TEST(Planner, RandomChunkingsCoverEveryPrefixTokenOnce) {
+  std::mt19937_64 rng(17);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::uniform_int_distribution<int> batch_dist(0, 6), len_dist(0, 40), cap_dist(1, 50);
+    std::vector<int32_t> prefix(size_t(batch_dist(rng)));
+    for (int32_t& p : prefix) p = (rng() % 3 == 0) ? 0 : len_dist(rng);
+    const int64_t capacity = cap_dist(rng);
+    const std::vector<PrefixChunk> chunks = split_prefix_into_chunks(prefix, capacity);
+    const int64_t total = std::accumulate(prefix.begin(), prefix.end(), int64_t(0));
+    ASSERT_EQ(int64_t(chunks.size()), (total + capacity - 1) / capacity);
+    std::vector<std::vector<int>> seen(prefix.size());
+    for (size_t b = 0; b < prefix.size(); ++b) seen[b].assign(size_t(prefix[b]), 0);
+    int64_t first = 0;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const PrefixChunk& chunk = chunks[c];
+      EXPECT_EQ(chunk.first_token, first);
+      EXPECT_EQ(chunk.num_tokens, c + 1 < chunks.size() ? capacity : total - first);
+      EXPECT_EQ(chunk.cu_kv_lens.back(), chunk.num_tokens);
+      for (size_t b = 0; b < prefix.size(); ++b)
+        for (int pos = chunk.kv_begin[b]; pos < chunk.kv_begin[b] + chunk.kv_lens[b]; ++pos) ++seen[b][size_t(pos)];
+      first += chunk.num_tokens;
+    }
+    for (const std::vector<int>& s : seen)
+      for (int count : s) ASSERT_EQ(count, 1);
+  }
+}
+
+TEST(Planner, AbsorbedOrChunkedDecision) {
+  using P = ExtendPrefixPath;
+  const std::vector<int32_t> no_prefix = {0, 0}, extend = {5, 7};
+  EXPECT_FALSE(use_absorbed_extend(no_prefix, extend, P::kAuto, 128));
+  EXPECT_FALSE(use_absorbed_extend(no_prefix, extend, P::kChunked, 128));
+  EXPECT_TRUE(use_absorbed_extend(no_prefix, extend, P::kAbsorbed, 128));
+  // Short extensions of long prefixes: absorbed; long extensions: chunked.
+  EXPECT_TRUE(use_absorbed_extend(std::vector<int32_t>{100, 1000}, std::vector<int32_t>{1, 1}, P::kAuto, 128));
+  EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{100}, std::vector<int32_t>{200}, P::kAuto, 128));
+  EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{100}, std::vector<int32_t>{1}, P::kChunked, 128));
+  // The prefix-weighted mean: (1 * 10000 + 1000 * 10) / 10010 ~ 2.0 <= 128.
+  EXPECT_TRUE(use_absorbed_extend(std::vector<int32_t>{10000, 10}, std::vector<int32_t>{1, 1000}, P::kAuto, 128));
+  // Boundary: mean exactly the threshold is absorbed.
+  EXPECT_TRUE(use_absorbed_extend(std::vector<int32_t>{10, 30}, std::vector<int32_t>{4, 4}, P::kAuto, 4));
+  EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{10, 30}, std::vector<int32_t>{4, 5}, P::kAuto, 4));
+  // Threshold 0: chunked whenever new tokens meet a prefix.
+  EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{10}, std::vector<int32_t>{1}, P::kAuto, 0));
+  EXPECT_TRUE(throws_error([] {
+    use_absorbed_extend(std::vector<int32_t>{1}, std::vector<int32_t>{1, 2}, ExtendPrefixPath::kAuto, 4);
+  }, {"prefix_lens", "extend_lens"}));
+}
+
+TEST(Planner, ExtendLengthsPlan) {
+  const std::vector<int32_t> prefix = {3, 0, 9}, extend = {2, 4, 0};
+  const ExtendPlan plan = plan_extend_lengths(prefix, extend, 5, ExtendPrefixPath::kChunked, 128);
+  EXPECT_EQ(plan.cu_q_lens, (std::vector<int32_t>{0, 2, 6, 6}));
+  EXPECT_EQ(plan.num_tokens, 6);
+  EXPECT_EQ(plan.max_q_len, 4);
+  EXPECT_EQ(plan.num_prefix_tokens, 12);
+  EXPECT_EQ(plan.max_prefix_len, 9);
+  EXPECT_EQ(plan.max_seq_len, 9);
+  EXPECT_FALSE(plan.use_absorbed);
+  EXPECT_EQ(plan.chunks.size(), 3u);
+  EXPECT_TRUE(throws_error([&] {
+    plan_extend_lengths(prefix, std::vector<int32_t>{1, -1, 0}, 5, ExtendPrefixPath::kAuto, 1);
+  }, {"extend_lens[1]"}));
+}
+
+// Block tables through the Backend: page ids in order, -1 tails, padded widths.
+TEST(Planner, BlockTablesHoldPageIdsThenMinusOne) {
+  for (int page_size : {1, 4, 32, 128}) {
+    const int max_len = 300, slots = 3;
+    const int num_pages = slots * ((max_len + page_size - 1) / page_size);
+    HostTensor req_to_token(DType::kInt32, {slots, max_len});
+    std::vector<int32_t> pages(static_cast<size_t>(num_pages));
+    std::iota(pages.begin(), pages.end(), 0);
+    std::shuffle(pages.begin(), pages.end(), std::mt19937_64(uint64_t(page_size)));
+    size_t next = 0;
+    for (int r = 0; r < slots; ++r)
+      for (int pos = 0; pos < max_len; ++pos) {
+        if (pos % page_size == 0) ++next;
+        req_to_token.i32(int64_t(r) * max_len + pos) = pages[next - 1] * page_size + pos % page_size;
+      }
+    BackendConfig config;
+    config.num_q_heads = 1;
+    config.page_size = page_size;
+    config.req_to_token = req_to_token.view();
+    config.workspace_bytes = 0;
+    Backend backend(config);
+    const std::vector<int32_t> lens = {1, 0, 257};
+    HostTensor rpi = test::int32_tensor({2, 0, 1}), seq = test::int32_tensor(lens);
+    for (bool host : {true, false}) {
+      ForwardBatch batch;
+      batch.mode = ForwardMode::kDecode;
+      batch.batch_size = 3;
+      batch.req_pool_indices = rpi.view();
+      batch.seq_lens = seq.view();
+      if (host) batch.seq_lens_cpu = lens;
+      backend.init_forward_metadata(batch);
+      const Plan& plan = backend.plan();
+      const int width = padded_block_count(host ? 257 : max_len, page_size);
+      ASSERT_EQ(plan.max_blocks, width);
+      ASSERT_EQ(plan.block_table.shape[1], width);
+      EXPECT_EQ(read_int32(plan.kv_lens), lens);
+      const std::vector<int32_t> table = read_int32(plan.block_table);
+      for (int b = 0; b < 3; ++b) {
+        const int r = rpi.i32(b);
+        const int used = (lens[size_t(b)] + page_size - 1) / page_size;
+        for (int j = 0; j < width; ++j) {
+          const int32_t expected = j < used ? req_to_token.i32(int64_t(r) * max_len + j * page_size) / page_size : -1;
+          ASSERT_EQ(table[size_t(b * width + j)], expected) << "page " << page_size << " row " << b << " block " << j;
+        }
+      }
+    }
+  }
+}
+
+// EXTEND plans: device cumulative lengths and the request-major slots of every chunk.
+TEST(Planner, ExtendPlanDeviceMetadata) {
+  const int page_size = 8, max_len = 64, slots = 3;
+  HostTensor req_to_token(DType::kInt32, {slots, max_len});
+  for (int64_t i = 0; i < req_to_token.numel(); ++i) req_to_token.i32(i) = int32_t((i * 37) % 1000);
+  BackendConfig config;
+  config.num_q_heads = 2;
+  config.page_size = page_size;
+  config.req_to_token = req_to_token.view();
+  config.prefix_chunk_capacity = 6;
+  config.workspace_bytes = 0;
+  Backend backend(config);
+  const std::vector<int32_t> prefix = {5, 0, 9}, extend = {2, 3, 1}, seq = {7, 3, 10};
+  HostTensor rpi = test::int32_tensor({1, 2, 0});
+  ForwardBatch batch;
+  batch.mode = ForwardMode::kExtend;
+  batch.batch_size = 3;
+  batch.req_pool_indices = rpi.view();
+  batch.extend_seq_lens_cpu = extend;
+  batch.extend_prefix_lens_cpu = prefix;
+  batch.seq_lens_cpu = seq;
+  backend.init_forward_metadata(batch);
+  const Plan& plan = backend.plan();
+  EXPECT_EQ(plan.num_tokens, 6);
+  EXPECT_EQ(read_int32(plan.kv_lens), seq);
+  EXPECT_EQ(read_int32(plan.cu_q_lens), (std::vector<int32_t>{0, 2, 5, 6}));
+  EXPECT_EQ(read_int32(plan.extend.cu_q_lens_device), (std::vector<int32_t>{0, 2, 5, 6}));
+  EXPECT_EQ(plan.max_blocks, padded_block_count(10, page_size));
+  ASSERT_EQ(backend.num_prefix_chunks(), 3);  // 14 prefix tokens in chunks of 6
+  for (const PrefixChunk& chunk : plan.extend.chunks) {
+    EXPECT_EQ(read_int32(chunk.cu_kv_lens_device), chunk.cu_kv_lens);
+    std::vector<int32_t> expected;
+    for (int b = 0; b < 3; ++b)
+      for (int pos = chunk.kv_begin[size_t(b)]; pos < chunk.kv_begin[size_t(b)] + chunk.kv_lens[size_t(b)]; ++pos)
+        expected.push_back(req_to_token.i32(int64_t(rpi.i32(b)) * max_len + pos));
+    EXPECT_EQ(read_int32(chunk.slots), expected);
+  }
+}
+
+}  // namespace
+}  // namespace mla
