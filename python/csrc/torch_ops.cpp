@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <initializer_list>
 #include <optional>
 #include <sstream>
@@ -20,6 +21,7 @@
 
 #include "mla/error.hpp"
 #include "mla/ops.hpp"
+#include "mla/schedule.hpp"
 
 #if defined(MLA_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -288,7 +290,8 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
                 const at::Tensor& kv_cache, const at::Tensor& block_table,
                 const at::Tensor& kv_lens, const OptTensor& cu_q_lens, int64_t q_len,
                 int64_t max_q_len, double softmax_scale, double q_scale, double k_scale,
-                const at::Tensor& out, const OptTensor& lse) {
+                const at::Tensor& out, const OptTensor& lse, const OptTensor& workspace,
+                int64_t workspace_max_batch, int64_t workspace_max_q_len) {
   constexpr const char* op = "mla_decode";
   const bool has_q = q.has_value() && q->defined();
   const bool has_split = (q_nope.has_value() && q_nope->defined()) ||
@@ -317,7 +320,38 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
   args.out = bind(out, {"out", "[T, H, 512]", {-1, -1, mla::kKvLoraRank}, kActDtypes,
                         Layout::kInnerContiguous, true});
   args.lse = bind(lse, {"lse", "[T, H]", {-1, -1}, kFloat32, Layout::kInnerContiguous, true});
-  run(bind, [&](mla::Stream s) { mla::mla_decode(args, s); });
+  const mla::TensorView ws = bind(workspace, {"workspace", "[bytes]", {-1}, {ScalarType::Byte},
+                                              Layout::kContiguous, true});
+  run(bind, [&](mla::Stream s) {
+    // With a workspace on the GPU: plan the split-KV schedule for exactly this batch, then
+    // decode with it (both on the stream, no host sync). The CPU ignores the workspace.
+    mla::DecodeSchedule schedule;
+    if (!ws.empty() && ws.device.type == mla::DeviceType::kCUDA) {
+      const mla::TensorView& ref = args.q.empty() ? args.q_nope : args.q;
+      schedule = mla::make_decode_schedule(ws.data, size_t(ws.numel()),
+                                           to_int(op, "workspace_max_batch", workspace_max_batch),
+                                           to_int(op, "workspace_max_q_len", workspace_max_q_len),
+                                           int(ref.shape[1]));
+      if (args.kv_lens.shape[0] > 0)
+        mla::plan_decode(schedule, args.kv_lens, args.cu_q_lens, std::max(args.q_len, 1),
+                         args.cu_q_lens.empty() ? std::max(args.q_len, 1) : args.max_q_len, s);
+      args.schedule = &schedule;
+    }
+    mla::mla_decode(args, s);
+  });
+}
+
+// Bytes of the GPU split-KV workspace for batches of up to max_batch requests of max_q_len
+// queries with num_heads heads (on the current CUDA device).
+int64_t decode_workspace_bytes(int64_t max_batch, int64_t max_q_len, int64_t num_heads) {
+  constexpr const char* op = "decode_workspace_bytes";
+  try {
+    return int64_t(mla::decode_workspace_bytes(to_int(op, "max_batch", max_batch),
+                                               to_int(op, "max_q_len", max_q_len),
+                                               to_int(op, "num_heads", num_heads)));
+  } catch (const mla::Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
 }
 
 void mha_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -375,7 +409,10 @@ TORCH_LIBRARY(mla, m) {
   m.def("mla_decode(Tensor? q, Tensor? q_nope, Tensor? q_pe, Tensor kv_cache, "
         "Tensor block_table, Tensor kv_lens, Tensor? cu_q_lens, int q_len, int max_q_len, "
         "float softmax_scale, float q_scale, float k_scale, Tensor(a!) out, "
-        "Tensor(b!)? lse) -> ()");
+        "Tensor(b!)? lse, Tensor(c!)? workspace=None, int workspace_max_batch=0, "
+        "int workspace_max_q_len=0) -> ()");
+  m.def("decode_workspace_bytes(int max_batch, int max_q_len, int num_heads) -> int",
+        &mla_torch::decode_workspace_bytes);
   m.def("mha_prefill(Tensor q, Tensor k, Tensor v, Tensor cu_q_lens, Tensor cu_kv_lens, "
         "int max_q_len, int max_kv_len, bool causal, float softmax_scale, float q_scale, "
         "float k_scale, float v_scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");

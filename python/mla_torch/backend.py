@@ -217,6 +217,8 @@ class MlaBackend:
       chunked_prefix_capacity: tokens per prefix chunk (over the whole batch).
       prefill_fp8: run the MHA prefill in fp8 (default: when the cache is fp8).
       step_offset: a draft step's backend attends to seq_lens + step_offset keys in DECODE.
+      use_split_kv: on CUDA, run mla_decode with the split-KV schedule (planned on the device
+        before each decode in a workspace the backend owns, or decode_workspace when given).
     """
 
     def __init__(self, *, num_q_heads: int, page_size: int, req_to_token: Tensor,
@@ -224,7 +226,8 @@ class MlaBackend:
                  q_dtype: torch.dtype = torch.bfloat16, num_draft_tokens: int = 0,
                  disable_chunked_prefix_cache: bool = False,
                  chunked_prefix_capacity: int = 65536, prefill_fp8: Optional[bool] = None,
-                 skip_prefill: bool = False, step_offset: int = 0):
+                 skip_prefill: bool = False, step_offset: int = 0, use_split_kv: bool = True,
+                 decode_workspace: Optional[ops.DecodeWorkspace] = None):
         if kv_cache_dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
             raise ValueError(f"MlaBackend: kv_cache_dtype must be bfloat16, float16 or "
                              f"float8_e4m3fn, got {kv_cache_dtype}")
@@ -244,6 +247,11 @@ class MlaBackend:
         self.prefill_fp8 = (kv_cache_dtype == torch.float8_e4m3fn) if prefill_fp8 is None else prefill_fp8
         self.skip_prefill = skip_prefill
         self.step_offset = step_offset
+        # The split-KV schedule's workspace (CUDA only; shared by the steps of a draft backend,
+        # which decode one after another on one stream). None: the decode kernel runs unsplit.
+        self.use_split_kv = use_split_kv and self.device.type == "cuda" and \
+            torch.ops.mla.build_info() != "cpu"
+        self.decode_workspace = decode_workspace
         self.kv_lora_rank = ops.KV_LORA_RANK
         self.qk_rope_head_dim = ops.ROPE_DIM
         self.kv_cache_dim = ops.LATENT_DIM
@@ -304,6 +312,14 @@ class MlaBackend:
 
     def _max_blocks(self, max_kv_len: int) -> int:
         return max(1, _cdiv(min(max_kv_len, self.max_context_len), self.page_size))
+
+    def _workspace(self, md: DecodeMetadata) -> dict:
+        if self.decode_workspace is None:
+            self.decode_workspace = ops.DecodeWorkspace(md.batch_size, md.max_q_len,
+                                                        self.num_q_heads, self.device)
+        elif not torch.cuda.is_current_stream_capturing():
+            self.decode_workspace.grow(md.batch_size, md.max_q_len)
+        return self.decode_workspace.kwargs()
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -425,6 +441,13 @@ class MlaBackend:
         self.cuda_graph_cu_q_lens = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         self.cuda_graph_max_bs = max_bs
         self.cuda_graph_max_num_tokens = max_num_tokens
+        if self.use_split_kv:  # big enough for every captured batch, so capture never allocates
+            q_bound = max(1, self.num_draft_tokens, max_num_tokens // max(max_bs, 1))
+            if self.decode_workspace is None:
+                self.decode_workspace = ops.DecodeWorkspace(max_bs, q_bound, self.num_q_heads,
+                                                            self.device)
+            else:
+                self.decode_workspace.grow(max_bs, q_bound)
         self.decode_cuda_graph_metadata = {}
 
     def _graph_metadata(self, bs: int, kind: str, spec_info: Any) -> DecodeMetadata:
@@ -580,9 +603,10 @@ class MlaBackend:
             ops.append_latent_kv(k_nope, k_pe, forward_batch.out_cache_loc, kv_cache, k_scale)
         out = torch.empty((num_tokens, num_heads, self.kv_lora_rank), dtype=self.q_data_type,
                           device=q.device)
+        ws = self._workspace(md) if self.use_split_kv else {}
         ops.mla_decode(kv_cache, md.block_table, md.kv_lens, layer.scaling, q=query, q_nope=q_nope,
                        q_pe=q_pe, cu_q_lens=md.cu_q_lens, q_len=md.q_len or 1,
-                       max_q_len=md.max_q_len, k_scale=k_scale, out=out)
+                       max_q_len=md.max_q_len, k_scale=k_scale, out=out, **ws)
         return out.view(num_tokens, num_heads * self.kv_lora_rank)
 
     def forward_decode(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], layer: Any,
@@ -710,6 +734,15 @@ class MlaMultiStepDraftBackend:
             MlaBackend(skip_prefill=True, step_offset=step_base + i, **backend_kwargs)
             for i in range(speculative_num_steps - 1)
         ]
+        self._share_workspace()
+
+    def _share_workspace(self) -> None:
+        """The steps decode one after another on one stream: one split-KV workspace serves all."""
+        if self.attn_backends and self.attn_backends[0].use_split_kv:
+            b0 = self.attn_backends[0]
+            ws = ops.DecodeWorkspace(1, 1, b0.num_q_heads, b0.device)
+            for backend in self.attn_backends:
+                backend.decode_workspace = ws
 
     @classmethod
     def from_model_runner(cls, model_runner: Any, topk: int, speculative_num_steps: int,
@@ -723,6 +756,7 @@ class MlaMultiStepDraftBackend:
                                          step_offset=step_base + i, **overrides)
             for i in range(speculative_num_steps - 1)
         ]
+        self._share_workspace()
         return self
 
     def init_forward_metadata(self, forward_batch: Any) -> None:

@@ -81,10 +81,17 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
                q_pe: Optional[Tensor] = None, cu_q_lens: Optional[Tensor] = None,
                q_len: int = 1, max_q_len: int = 0, q_scale: float = 1.0, k_scale: float = 1.0,
                out: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-               lse: Optional[Tensor] = None, return_lse: bool = False):
+               lse: Optional[Tensor] = None, return_lse: bool = False,
+               workspace: Optional[Tensor] = None, workspace_max_batch: int = 0,
+               workspace_max_q_len: int = 0):
     """Absorbed attention over the paged latent cache (causal for q_len > 1). Queries as q
     [T, H, 576] or q_nope [T, H, 512] + q_pe [T, H, 64]. Returns out [T, H, 512], or (out, lse)
-    when return_lse or lse is given."""
+    when return_lse or lse is given.
+
+    On CUDA, a workspace (uint8, decode_workspace_bytes(max_batch, max_q_len, H) bytes, made for
+    that capacity) turns on the split-KV schedule: it is planned on the device for this batch
+    right before the kernel (no host sync, graph-capturable). Without it the kernel runs unsplit.
+    The CPU ignores the workspace."""
     ref = q if q is not None else q_nope
     if ref is None:
         raise ValueError("mla_decode: give q or q_nope and q_pe")
@@ -96,8 +103,40 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
         lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=ref.device)
     torch.ops.mla.mla_decode(q, q_nope, q_pe, kv_cache, block_table, kv_lens, cu_q_lens,
                              int(q_len), int(max_q_len), float(softmax_scale), float(q_scale),
-                             float(k_scale), out, lse)
+                             float(k_scale), out, lse, workspace, int(workspace_max_batch),
+                             int(workspace_max_q_len))
     return (out, lse) if lse is not None else out
+
+
+def decode_workspace_bytes(max_batch: int, max_q_len: int, num_heads: int) -> int:
+    """Bytes of the split-KV workspace of mla_decode for the given capacity (CUDA builds, on the
+    current CUDA device)."""
+    return int(torch.ops.mla.decode_workspace_bytes(int(max_batch), int(max_q_len), int(num_heads)))
+
+
+class DecodeWorkspace:
+    """A zero-initialised split-KV workspace for mla_decode on one CUDA device, with its
+    capacity. grow() reallocates for a larger batch (never while a CUDA graph is captured)."""
+
+    def __init__(self, max_batch: int, max_q_len: int, num_heads: int, device):
+        self.num_heads = num_heads
+        self.device = torch.device(device)
+        self.max_batch = self.max_q_len = 0
+        self.buffer: Optional[Tensor] = None
+        self.grow(max_batch, max_q_len)
+
+    def grow(self, max_batch: int, max_q_len: int) -> None:
+        if self.buffer is not None and max_batch <= self.max_batch and max_q_len <= self.max_q_len:
+            return
+        self.max_batch = max(max_batch, self.max_batch, 1)
+        self.max_q_len = max(max_q_len, self.max_q_len, 1)
+        with torch.cuda.device(self.device):
+            nbytes = decode_workspace_bytes(self.max_batch, self.max_q_len, self.num_heads)
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+
+    def kwargs(self) -> dict:
+        return dict(workspace=self.buffer, workspace_max_batch=self.max_batch,
+                    workspace_max_q_len=self.max_q_len)
 
 
 def mha_prefill(q: Tensor, k: Tensor, v: Tensor, cu_q_lens: Tensor, cu_kv_lens: Tensor,

@@ -179,6 +179,14 @@ def test_mla_decode(device, gen, heads, page_size, kv_lens, q_lens, dtype, split
     out_ref, lse_ref = ref_mla_decode(q, paged, lens, softmax_scale, q_scale, k_scale)
     assert_close(out, out_ref, *TOL[torch.bfloat16], "out")
     assert_close(lse, lse_ref, *LSE_TOL, "lse")
+    if device.type == "cuda":  # again with the split-KV schedule (workspace larger than needed)
+        ws = ops.DecodeWorkspace(len(kv_lens) + 3, max(lens) + 1, heads, device)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        ops.mla_decode(paged.cache, paged.block_table, paged.kv_lens, softmax_scale, **kwargs,
+                       **ws.kwargs())
+        assert_close(out, out_ref, *TOL[torch.bfloat16], "out (split-KV)")
+        assert_close(lse, lse_ref, *LSE_TOL, "lse (split-KV)")
 
 
 def test_mla_decode_fp32_output_and_strided(device, gen):
