@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "backend/memory.hpp"
 #include "mla/backend.hpp"
 #include "mla/plan.hpp"
 #include "test_util.hpp"
@@ -263,6 +264,46 @@ TEST(Planner, ExtendPlanDeviceMetadata) {
         expected.push_back(req_to_token.i32(int64_t(rpi.i32(b)) * max_len + pos));
     EXPECT_EQ(read_int32(chunk.slots), expected);
   }
+}
+
+// The memory layer's CPU path (the CUDA path runs the same helpers as kernels).
+TEST(MemoryLayer, BuffersAreZeroedAlignedAndMovable) {
+  detail::Buffer buffer(1000, Device::cpu());
+  ASSERT_NE(buffer.data(), nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buffer.data()) % detail::Buffer::kAlignment, 0u);
+  const auto* bytes = static_cast<const unsigned char*>(buffer.data());
+  EXPECT_TRUE(std::all_of(bytes, bytes + 1000, [](unsigned char b) { return b == 0; }));
+  detail::Buffer moved = std::move(buffer);
+  EXPECT_EQ(buffer.data(), nullptr);
+  EXPECT_EQ(moved.size(), 1000u);
+  Workspace workspace(4096, Device::cpu());
+  EXPECT_EQ(workspace.size_bytes(), 4096u);
+  EXPECT_TRUE(throws_error([] { detail::Buffer b(16, Device::cuda(0)); }, {"Buffer", "cuda:0"}));
+}
+
+TEST(MemoryLayer, LengthsPrefixSumsAndRowGather) {
+  HostTensor lens64(DType::kInt64, {4});
+  for (int i = 0; i < 4; ++i) lens64.i64(i) = 10 * i + 1;
+  HostTensor out(DType::kInt32, {4}), cu(DType::kInt32, {5});
+  detail::lengths_to_int32(lens64.view(), 3, out.view(), nullptr);
+  EXPECT_EQ(read_int32(out.view()), (std::vector<int32_t>{4, 14, 24, 34}));
+  detail::prefix_sum_int32(lens64.view(), cu.view(), nullptr);
+  EXPECT_EQ(read_int32(cu.view()), (std::vector<int32_t>{0, 1, 12, 33, 64}));
+  HostTensor empty(DType::kInt32, {0}), cu1(DType::kInt32, {1});
+  cu1.i32(0) = 7;
+  detail::prefix_sum_int32(empty.view(), cu1.view(), nullptr);
+  EXPECT_EQ(cu1.i32(0), 0);
+
+  HostTensor src(DType::kBF16, {5, 6}), dst(DType::kBF16, {3, 6});
+  for (int64_t i = 0; i < src.numel(); ++i) src.set(i, float(i));
+  HostTensor index = test::int32_tensor({4, 0, 4});
+  detail::gather_rows(src.view(), index.view(), dst.view(), nullptr);
+  for (int n = 0; n < 3; ++n)
+    for (int d = 0; d < 6; ++d) EXPECT_EQ(dst.get(n * 6 + d), src.get(index.i32(n) * 6 + d));
+  HostTensor bad = test::int32_tensor({1, 5, 0});
+  EXPECT_TRUE(throws_error([&] { detail::gather_rows(src.view(), bad.view(), dst.view(), nullptr); }, {"index[1]", "[0, 5)"}));
+  HostTensor wrong(DType::kFP16, {3, 6});
+  EXPECT_TRUE(throws_error([&] { detail::gather_rows(src.view(), index.view(), wrong.view(), nullptr); }, {"dst", "bf16"}));
 }
 
 }  // namespace
