@@ -108,12 +108,13 @@ struct PlacedTensor {
                std::vector<int64_t> stride_, int64_t offset_ = 0)
       : cpu(dtype, {buffer_elems}), shape(std::move(shape_)), stride(std::move(stride_)),
         offset(offset_) {
+    bool empty = false;
     int64_t last = offset;
-    for (size_t d = 0; d < shape.size(); ++d)
-      if (shape[d] > 0) last += (shape[d] - 1) * stride[d];
-    for (int64_t s : shape)
-      if (s == 0) last = offset;
-    if (last >= std::max<int64_t>(buffer_elems, 1))
+    for (size_t d = 0; d < shape.size(); ++d) {
+      if (shape[d] == 0) empty = true;
+      else last += (shape[d] - 1) * stride[d];
+    }
+    if (!empty && (offset < 0 || last >= buffer_elems))
       throw std::runtime_error("PlacedTensor: view reaches past the buffer");
     if (is_float_dtype(dtype)) cpu.fill_nan();
   }
