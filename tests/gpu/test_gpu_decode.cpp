@@ -864,17 +864,21 @@ TEST(GpuDecodeErrors, ScheduleMustFitTheCall) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Timing (cudaEvent, no L2 flush; informational, nothing asserted beyond finiteness).
+// Timing (cudaEvent, no L2 flush; informational, nothing asserted beyond finiteness). Per
+// configuration: eager plan_decode + mla_decode (host launch overhead included), the same pair
+// captured in a CUDA graph and replayed, mla_decode alone on a kept plan, and mla_decode without
+// a schedule (one CTA per request and row tile).
 
-void time_decode(int batch, int heads, int kv_len, int q_len, bool use_schedule) {
+void time_decode(int batch, int heads, int kv_len, int q_len, DType kv_dtype = DType::kBF16) {
   constexpr int kPage = 64;
   const int blocks = (kv_len + kPage - 1) / kPage;
   const int64_t pages = int64_t(batch) * blocks;
   const int64_t tokens = int64_t(batch) * q_len;
-  DeviceBuffer q(size_t(tokens) * heads * kDim * 2), cache(size_t(pages) * kPage * kDim * 2),
+  const size_t kv_elem = dtype_size(kv_dtype);
+  DeviceBuffer q(size_t(tokens) * heads * kDim * 2), cache(size_t(pages) * kPage * kDim * kv_elem),
       bt(size_t(batch) * blocks * 4), kvl(size_t(batch) * 4), out(size_t(tokens) * heads * kVDim * 2),
       lse(size_t(tokens) * heads * 4);
-  // Finite filler (bf16 0x3c3c ~ 0.0115) for the data; the timing does not depend on values.
+  // Finite filler (bf16 0x3c3c ~ 0.0115, fp8 0x3c = 1.5); the timing does not depend on values.
   ASSERT_EQ(cudaMemset(q.ptr, 0x3c, q.bytes), cudaSuccess);
   ASSERT_EQ(cudaMemset(cache.ptr, 0x3c, cache.bytes), cudaSuccess);
   HostTensor bt_h(DType::kInt32, {batch, blocks});
@@ -887,41 +891,63 @@ void time_decode(int batch, int heads, int kv_len, int q_len, bool use_schedule)
   const Device dev = Device::cuda(0);
   MlaDecodeArgs a;
   a.q = TensorView::contiguous(q.ptr, DType::kBF16, {tokens, heads, kDim}, dev);
-  a.kv_cache = TensorView::contiguous(cache.ptr, DType::kBF16, {pages, kPage, kDim}, dev);
+  a.kv_cache = TensorView::contiguous(cache.ptr, kv_dtype, {pages, kPage, kDim}, dev);
   a.block_table = TensorView::contiguous(bt.ptr, DType::kInt32, {batch, blocks}, dev);
   a.kv_lens = TensorView::contiguous(kvl.ptr, DType::kInt32, {batch}, dev);
   a.q_len = q_len;
   a.softmax_scale = 0.0721687836f;
+  a.k_scale = kv_dtype == DType::kFP8E4M3 ? 0.01f : 1.0f;
   a.out = TensorView::contiguous(out.ptr, DType::kBF16, {tokens, heads, kVDim}, dev);
   a.lse = TensorView::contiguous(lse.ptr, DType::kFP32, {tokens, heads}, dev);
-  std::unique_ptr<OwnedSchedule> sched;
-  if (use_schedule) {
-    sched = std::make_unique<OwnedSchedule>(batch, q_len, heads);
-    a.schedule = &sched->schedule;
-  }
-  auto step = [&] {
-    if (use_schedule) plan_decode(sched->schedule, a.kv_lens, TensorView{}, q_len, 0, nullptr);
-    mla_decode(a, nullptr);
-  };
-  for (int i = 0; i < 3; ++i) step();
+  OwnedSchedule sched(batch, q_len, heads);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  MlaDecodeArgs planned = a;
+  planned.schedule = &sched.schedule;
+  auto plan = [&] { plan_decode(sched.schedule, a.kv_lens, TensorView{}, q_len, 0, stream); };
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  plan();
+  mla_decode(planned, stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  constexpr int kIters = 20;
-  cudaEventRecord(e0);
-  for (int i = 0; i < kIters; ++i) step();
-  cudaEventRecord(e1);
-  ASSERT_EQ(cudaEventSynchronize(e1), cudaSuccess);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, e0, e1);
+  auto time_us = [&](auto&& step) {
+    for (int i = 0; i < 3; ++i) step();
+    constexpr int kIters = 20;
+    cudaEventRecord(e0, stream);
+    for (int i = 0; i < kIters; ++i) step();
+    cudaEventRecord(e1, stream);
+    EXPECT_EQ(cudaEventSynchronize(e1), cudaSuccess);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    return 1000.0 * ms / kIters;
+  };
+  const double eager = time_us([&] { plan(); mla_decode(planned, stream); });
+  const double replay = time_us([&] { cudaGraphLaunch(exec, stream); });
+  const double decode_only = time_us([&] { mla_decode(planned, stream); });
+  const double plan_only = time_us([&] { plan(); });
+  const double unscheduled = time_us([&] { mla_decode(a, stream); });
+  const double flops = 2.0 * double(tokens) * heads * kv_len * (kDim + kVDim);
+  const double bytes = double(batch) * kv_len * kDim * double(kv_elem);
+  std::printf("[decode timing] B=%d H=%d kv=%d q_len=%d cache %s\n", batch, heads, kv_len, q_len,
+              std::string(dtype_name(kv_dtype)).c_str());
+  for (auto [name, us] : {std::pair{"plan+decode eager", eager}, {"plan+decode graph", replay},
+                          {"decode on kept plan", decode_only}, {"plan alone", plan_only},
+                          {"decode, no schedule", unscheduled}}) {
+    std::printf("[decode timing]   %-20s %9.1f us  %6.1f TFLOP/s  %6.2f TB/s\n", name, us,
+                flops / us * 1e-6, bytes / us * 1e-6);
+  }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
-  const double us = 1000.0 * ms / kIters;
-  const double flops = 2.0 * double(tokens) * heads * kv_len * (kDim + kVDim);
-  const double bytes = double(batch) * kv_len * kDim * 2;
-  std::printf("[decode timing] B=%d H=%d kv=%d q_len=%d %-11s: %9.1f us  %6.1f TFLOP/s  %6.2f TB/s (cache)\n",
-              batch, heads, kv_len, q_len, use_schedule ? "schedule" : "no schedule", us,
-              flops / us * 1e-6, bytes / us * 1e-6);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
   HostTensor lse_h(DType::kFP32, {tokens, heads});
   lse.download(lse_h);
   for (int64_t i = 0; i < lse_h.numel(); ++i) ASSERT_TRUE(std::isfinite(lse_h.get(i)));
@@ -929,13 +955,14 @@ void time_decode(int batch, int heads, int kv_len, int q_len, bool use_schedule)
 
 TEST(GpuDecodeTiming, Report) {
   MLA_REQUIRE_GPU();
-  for (bool s : {true, false}) {
-    time_decode(64, 128, 4096, 1, s);
-    time_decode(128, 16, 4096, 1, s);
-    time_decode(1, 128, 32768, 1, s);
-    time_decode(1, 16, 32768, 1, s);
-    time_decode(32, 16, 2048, 4, s);
-  }
+  time_decode(64, 128, 4096, 1);
+  time_decode(64, 128, 4096, 1, DType::kFP8E4M3);
+  time_decode(128, 16, 4096, 1);
+  time_decode(128, 16, 4096, 1, DType::kFP8E4M3);
+  time_decode(1, 128, 32768, 1);
+  time_decode(1, 16, 32768, 1);
+  time_decode(32, 16, 2048, 4);
+  time_decode(256, 128, 512, 1);
 }
 
 }  // namespace

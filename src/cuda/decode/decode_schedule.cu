@@ -4,11 +4,21 @@
 // Cost model. Each unit (request, row tile) costs its key blocks (64 keys each, only the keys
 // its rows may see under the causal rule) plus kOverheadBlocks for loading the queries and
 // writing the output. Units are laid end to end on one cost line, in request order; the line is
-// cut into num_parts equal segments of `payload` (at least kMinBlocksPerPart), one per decode
-// CTA. A unit whose key blocks straddle cuts is split into pieces, one per segment it touches
-// (work items); each piece writes a partial result into its own slot and the combine kernel
-// merges them. So every CTA gets about the same number of key blocks whether the batch is one
-// 32k-token request or 256 short ones.
+// cut into num_parts equal segments of `payload`, one per decode CTA. A unit whose key blocks
+// straddle cuts is split into pieces, one per segment it touches (work items); each piece writes
+// a partial result into its own slot and the combine kernel merges them. So every CTA gets about
+// the same number of key blocks whether the batch is one 32k-token request or 256 short ones.
+//
+// Two refinements keep pieces from being cut for nothing:
+//   * payload = ceil(total / num_parts), at least kMinBlocksPerPart; and when the largest unit
+//     costs at most 5/4 of that, payload grows to it. A batch of equal units that nearly fills
+//     the GPU (64 requests x 2 row tiles on 132 SMs) then runs one unit per CTA, unsplit,
+//     instead of splitting almost every unit in two.
+//   * a cut that falls within `snap` = max(kOverheadBlocks, payload / 8) blocks of a unit's
+//     start or end moves to that edge (the CTA on one side takes a little more), so no piece is
+//     smaller than the fixed cost it adds. Moving a cut only ever affects the one unit it falls
+//     in, so every thread decides its units' pieces independently and the CTAs' item lists stay
+//     in order.
 //
 // Capacity (why the workspace sizes are bounds): units <= max_batch * ceil(max_q_len * H / 16);
 // each of the num_parts - 1 cuts adds at most one item, so items <= units + num_parts; split
@@ -61,6 +71,24 @@ __device__ V block_exclusive_scan(V value, V* warp_sums /* [33] */, V& total) {
   return result;
 }
 
+// The parts a unit spans on the cost line, after snapping cuts near its edges.
+struct UnitSpan {
+  int part_first, part_last;
+};
+__device__ __forceinline__ UnitSpan unit_span(long long start, long long end, long long payload,
+                                              long long snap, int parts) {
+  auto part_of = [&](long long position) {
+    const long long q = position / payload;
+    return q < parts - 1 ? int(q) : parts - 1;
+  };
+  int first = part_of(start);
+  const long long next_cut = (long long)(first + 1) * payload;
+  if (first + 1 <= parts - 1 && next_cut < end && next_cut - start <= snap) ++first;
+  int last = max(part_of(end - 1), first);
+  if (last > first && end - (long long)last * payload <= snap) --last;
+  return {first, last};
+}
+
 struct UnitCost {
   int blocks;  // key blocks of the unit
   int kv_end;  // keys its rows may see
@@ -77,6 +105,7 @@ __device__ __forceinline__ UnitCost unit_cost(const RequestGeometry& g, int tile
 __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_constant__ PlanParams pp) {
   __shared__ long long scan64[33];
   __shared__ int scan32[33];
+  __shared__ int max_unit_cost;
   const int tid = threadIdx.x;
   const int batch = pp.layout.batch_size;
   const int num_heads = pp.layout.num_heads;
@@ -86,17 +115,27 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   const int b_begin = min(batch, tid * per_thread);
   const int b_end = min(batch, b_begin + per_thread);
 
-  // Pass 1: cost of this thread's units.
+  // Pass 1: cost of this thread's units, and the largest unit.
+  if (tid == 0) max_unit_cost = 0;
   long long my_cost = 0;
+  int my_max = 0;
   for (int b = b_begin; b < b_end; ++b) {
     const RequestGeometry g = request_geometry(pp.layout, b);
     const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
-    for (int t = 0; t < tiles; ++t) my_cost += unit_cost(g, t, block_m, num_heads).blocks + kOverheadBlocks;
+    for (int t = 0; t < tiles; ++t) {
+      const int cost = unit_cost(g, t, block_m, num_heads).blocks + kOverheadBlocks;
+      my_cost += cost;
+      my_max = max(my_max, cost);
+    }
   }
+  __syncthreads();
+  atomicMax(&max_unit_cost, my_max);
   long long total_cost = 0;
-  const long long cost_base = block_exclusive_scan(my_cost, scan64, total_cost);
-  long long payload = (total_cost + parts - 1) / parts;
-  if (payload < kMinBlocksPerPart) payload = kMinBlocksPerPart;
+  const long long cost_base = block_exclusive_scan(my_cost, scan64, total_cost);  // syncs
+  const long long even = (total_cost + parts - 1) / parts;
+  long long payload = even < kMinBlocksPerPart ? kMinBlocksPerPart : even;
+  if (4LL * max_unit_cost <= 5LL * even && max_unit_cost > payload) payload = max_unit_cost;
+  const long long snap = payload / 8 > kOverheadBlocks ? payload / 8 : kOverheadBlocks;
   auto part_of = [&](long long position) {
     const long long q = position / payload;
     return q < parts - 1 ? int(q) : parts - 1;
@@ -111,8 +150,11 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
       const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
       for (int t = 0; t < tiles; ++t) {
         const int nb = unit_cost(g, t, block_m, num_heads).blocks;
-        const long long first = pos + kOverheadBlocks;  // cost position of block 0
-        const int pieces = nb == 0 ? 1 : part_of(first + nb - 1) - part_of(first) + 1;
+        int pieces = 1;
+        if (nb > 0) {
+          const UnitSpan span = unit_span(pos, pos + kOverheadBlocks + nb, payload, snap, parts);
+          pieces = span.part_last - span.part_first + 1;
+        }
         my_items += pieces;
         if (pieces > 1) {
           my_splits += 1;
@@ -141,9 +183,12 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
           if (item < pp.max_items) pp.items[item] = WorkItem{b, t, 0, 0, -1, part_of(pos), 0, 0};
           ++item;
         } else {
-          const int part_first = part_of(first), part_last = part_of(first + c.blocks - 1);
+          const long long end = first + c.blocks;
+          const UnitSpan span = unit_span(pos, end, payload, snap, parts);
+          const int part_first = span.part_first, part_last = span.part_last;
           const int pieces = part_last - part_first + 1;
           for (int q = part_first; q <= part_last; ++q) {
+            // Blocks between the cuts that bound part q (the unit's edges for its end parts).
             const long long lo = q == part_first ? 0 : q * payload - first;
             const long long hi = q == part_last ? c.blocks : (q + 1) * payload - first;
             WorkItem w{};
