@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import cuda_ready
-from mla_reference import FP8, assert_close, make_cos_sin_cache, ref_rope
+from mla_reference import FP8, assert_close, make_cos_sin_cache
 from mla_torch import (AttentionLayer, ForwardBatch, ForwardMode, LatentKvPool, MlaBackend,
                        MlaMultiStepDraftBackend, SpecInfo)
 
@@ -59,22 +59,33 @@ class Weights:
         return q[..., :NOPE_HEAD], q[..., NOPE_HEAD:], rms_norm(kv[:, :LORA]), kv[:, LORA:]
 
 
-def naive_layer(w, history, positions, num_new, cos_sin, scale):
+def rope_neox(x, cos_sin, positions):
+    """NeoX RoPE in float64 on x's device; x [T, (H,) 64], cos_sin [max_pos, 64] (cos | sin)."""
+    cs = cos_sin.to(device=x.device, dtype=torch.float64)[positions.to(x.device)]
+    cos, sin = cs[:, :ROPE // 2], cs[:, ROPE // 2:]
+    if x.dim() == 3:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., :ROPE // 2], x[..., ROPE // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def naive_layer(w, history, positions, num_new, cos_sin, scale, device="cpu"):
     """Non-absorbed attention of the last num_new tokens of one request over its whole history
-    (float64, CPU). Returns [num_new, hidden]."""
+    (float64, on `device`). Returns [num_new, hidden] on the CPU."""
+    history = history.to(device)
     q_nope, q_pe, c_kv, k_pe = w.project(history)
-    q_pe = ref_rope(q_pe, cos_sin, positions, True)
-    k_pe = ref_rope(k_pe, cos_sin, positions, True)
-    k_nope = torch.einsum("tc,hdc->thd", c_kv, w.w_uk)
-    v = torch.einsum("tc,hdc->thd", c_kv, w.w_uv)
+    q_pe = rope_neox(q_pe, cos_sin, positions)
+    k_pe = rope_neox(k_pe, cos_sin, positions)
+    k_nope = torch.einsum("tc,hdc->thd", c_kv, w.w_uk.to(device))
+    v = torch.einsum("tc,hdc->thd", c_kv, w.w_uv.to(device))
     n = history.shape[0]
     q = torch.cat([q_nope, q_pe], -1)[n - num_new:]
     k = torch.cat([k_nope, k_pe[:, None, :].expand(n, w.heads, ROPE)], -1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     visible = torch.arange(n)[None, :] <= (n - num_new + torch.arange(num_new))[:, None]
-    probs = torch.softmax(scores.masked_fill(~visible[None], -math.inf), dim=-1)
+    probs = torch.softmax(scores.masked_fill(~visible[None].to(device), -math.inf), dim=-1)
     out = torch.einsum("hqk,khd->qhd", probs, v)
-    return out.reshape(num_new, -1) @ w.w_o
+    return (out.reshape(num_new, -1) @ w.w_o.to(device)).cpu()
 
 
 class Harness:
@@ -144,7 +155,8 @@ class Harness:
             x = torch.randn(n, self.hidden, generator=self.gen, dtype=torch.float64)
             hist = torch.cat([self.history.get(r, x[:0]), x])
             pos = torch.arange(hist.shape[0])
-            expected.append(naive_layer(self.w, hist, pos, n, self.cos_sin, self.scale))
+            expected.append(naive_layer(self.w, hist, pos, n, self.cos_sin, self.scale,
+                                        self.device))
             self.history[r] = hist
             xs.append(x)
             locs.append(self.alloc(r, start, n))
@@ -178,7 +190,7 @@ class Harness:
 
     # ---- the model code around the backend (what an engine's DeepSeek layer does) ------------
     def rope(self, t, positions):
-        return ref_rope(t.double().cpu(), self.cos_sin, positions.cpu(), True).to(t.device).float()
+        return rope_neox(t.double(), self.cos_sin, positions).float()
 
     def absorbed(self, backend, fb, x, backend_rope):
         w = self.w
