@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -286,6 +287,32 @@ void rope_quantize(const at::Tensor& q_nope, const at::Tensor& q_pe, const OptTe
   run(bind, [&](mla::Stream s) { mla::rope_quantize(args, s); });
 }
 
+// make_decode_schedule is a pure function of the workspace and the capacity (and the device),
+// but it asks the CUDA runtime about the pointer; a small cache keeps those calls out of CUDA
+// graph captures (the eager warm-up before a capture fills it).
+mla::DecodeSchedule cached_schedule(const mla::TensorView& ws, int max_batch, int max_q_len,
+                                    int num_heads) {
+  struct Entry {
+    void* data;
+    int64_t bytes;
+    int max_batch, max_q_len, num_heads, device;
+    mla::DecodeSchedule schedule;
+  };
+  static std::mutex mutex;
+  static std::vector<Entry> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  for (const Entry& e : cache) {
+    if (e.data == ws.data && e.bytes == ws.numel() && e.max_batch == max_batch &&
+        e.max_q_len == max_q_len && e.num_heads == num_heads && e.device == ws.device.index)
+      return e.schedule;
+  }
+  mla::DecodeSchedule schedule =
+      mla::make_decode_schedule(ws.data, size_t(ws.numel()), max_batch, max_q_len, num_heads);
+  if (cache.size() >= 64) cache.erase(cache.begin());
+  cache.push_back({ws.data, ws.numel(), max_batch, max_q_len, num_heads, ws.device.index, schedule});
+  return schedule;
+}
+
 void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_pe,
                 const at::Tensor& kv_cache, const at::Tensor& block_table,
                 const at::Tensor& kv_lens, const OptTensor& cu_q_lens, int64_t q_len,
@@ -328,10 +355,9 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
     mla::DecodeSchedule schedule;
     if (!ws.empty() && ws.device.type == mla::DeviceType::kCUDA) {
       const mla::TensorView& ref = args.q.empty() ? args.q_nope : args.q;
-      schedule = mla::make_decode_schedule(ws.data, size_t(ws.numel()),
-                                           to_int(op, "workspace_max_batch", workspace_max_batch),
-                                           to_int(op, "workspace_max_q_len", workspace_max_q_len),
-                                           int(ref.shape[1]));
+      schedule = cached_schedule(ws, to_int(op, "workspace_max_batch", workspace_max_batch),
+                                 to_int(op, "workspace_max_q_len", workspace_max_q_len),
+                                 int(ref.shape[1]));
       if (args.kv_lens.shape[0] > 0)
         mla::plan_decode(schedule, args.kv_lens, args.cu_q_lens, std::max(args.q_len, 1),
                          args.cu_q_lens.empty() ? std::max(args.q_len, 1) : args.max_q_len, s);
