@@ -478,19 +478,17 @@ class MlaBackend:
                              build_block_table: bool = True) -> None:
         """Updates the persistent buffers in place, on the device, allocating nothing."""
         bs = md.batch_size
+        md.kv_lens.copy_(seq_lens[:bs])  # converts to int32 in the copy kernel
         if kind == _VERIFY:
-            torch.add(seq_lens[:bs], md.q_len, out=md.kv_lens)
+            md.kv_lens.add_(md.q_len)
         elif kind == _DRAFT_EXTEND:
-            md.kv_lens.copy_(seq_lens[:bs])
             if extend_seq_lens is not None:
-                torch.cumsum(extend_seq_lens[:bs], dim=0, dtype=torch.int32, out=md.cu_q_lens[1:])
+                md.cu_q_lens[1:].copy_(extend_seq_lens[:bs])
             else:  # capture without lengths: every request at the bound
-                torch.mul(torch.arange(1, bs + 1, device=md.cu_q_lens.device),
-                          self.num_draft_tokens, out=md.cu_q_lens[1:])
-        elif self.step_offset:
-            torch.add(seq_lens[:bs], self.step_offset, out=md.kv_lens)
-        else:
-            md.kv_lens.copy_(seq_lens[:bs])
+                md.cu_q_lens[1:].fill_(self.num_draft_tokens)
+            md.cu_q_lens[1:].cumsum_(0)
+        elif kind in (_DECODE, _IDLE) and self.step_offset:
+            md.kv_lens.add_(self.step_offset)
         if build_block_table and bs > 0:
             ops.build_block_table(self.req_to_token, req_pool_indices[:bs], md.kv_lens,
                                   self.page_size, md.block_table)
