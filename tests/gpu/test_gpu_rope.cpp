@@ -347,7 +347,7 @@ void run_rope_case(const RopeCase& c, Launch launch = Launch::kDefaultStream) {
   }
   if (rope_inexact != 0)
     std::cout << "[ info ] " << rope_inexact << " of " << rope_values
-              << " rope values differ from the CPU within 1 ulp (" << describe(c) << ")\n";
+              << " rope values are not bit-identical to the CPU (allowed: 1 ulp) (" << describe(c) << ")\n";
 }
 
 // Head counts 1..128 (tensor-parallel shards and odd ones) with T = 0, 1 and odd.

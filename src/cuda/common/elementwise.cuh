@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "cuda/cuda_check.hpp"
@@ -66,7 +67,8 @@ __device__ __forceinline__ void load_chunk(const T* p, bool vectorised, float (&
 #pragma unroll
       for (int v = 0; v < N / kPerVec; ++v) {
         const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + v);
-        const T* elems = reinterpret_cast<const T*>(&raw);
+        T elems[kPerVec];
+        memcpy(elems, &raw, sizeof(raw));  // type pun without aliasing UB; compiles to moves
 #pragma unroll
         for (int k = 0; k < kPerVec; ++k) out[v * kPerVec + k] = to_float(elems[k]);
       }
@@ -84,10 +86,11 @@ __device__ __forceinline__ void store_chunk(T* p, bool vectorised, const float (
       constexpr int kPerVec = 16 / sizeof(T);
 #pragma unroll
       for (int v = 0; v < N / kPerVec; ++v) {
-        uint4 raw;
-        T* elems = reinterpret_cast<T*>(&raw);
+        T elems[kPerVec];
 #pragma unroll
         for (int k = 0; k < kPerVec; ++k) elems[k] = from_float<T>(in[v * kPerVec + k]);
+        uint4 raw;
+        memcpy(&raw, elems, sizeof(raw));
         reinterpret_cast<uint4*>(p)[v] = raw;
       }
       return;
