@@ -682,7 +682,10 @@ class MlaBackend:
         to per-head k_nope and v for forward_extend with attn_attend_prefix_cache."""
         slots = forward_batch.prefix_chunk_kv_indices[chunk_idx].long()
         flat = self._kv_cache(layer).view(-1, self.kv_cache_dim)
-        latent = flat.index_select(0, slots)
+        if flat.dtype == torch.float8_e4m3fn:  # gather the bytes (index kernels may lack fp8)
+            latent = flat.view(torch.uint8).index_select(0, slots).view(torch.float8_e4m3fn)
+        else:
+            latent = flat.index_select(0, slots)
         dtype = dtype or self.q_data_type
         if latent.dtype == torch.float8_e4m3fn:
             latent = (latent.float() * self._k_scale(layer)).to(dtype)
