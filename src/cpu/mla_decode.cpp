@@ -131,7 +131,6 @@ struct Scratch {
   std::vector<int64_t> row_keys;  // keys each row sees
   std::vector<float> key_t;     // (576, kKeyTile)
   std::vector<float> value;     // (kKeyTile, 576)
-  std::vector<float> entry;     // (576), one converted cache entry
 };
 
 class DecodeRunner {
