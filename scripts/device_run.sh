@@ -14,7 +14,8 @@
 #   BUILD_DIR              reuse this build folder (must contain tests/mla_gpu_tests)
 #   MLA_CUDA_ARCHS         architectures for a fresh build (default 90a)
 #   CTEST_JOBS             parallel ctest processes (default 4)
-#   GPU_TEST_FILTER        gtest filter for step 2 when the binary is run directly (default *)
+#   GPU_TEST_FILTER        run the gtest binary directly with this filter instead of ctest (ctest
+#                          is used when unset and the build folder was configured at this path)
 #   GPU_SANITIZE_FILTER    gtest filter for memcheck (default *: every GPU test)
 #   GPU_RACECHECK_FILTER   gtest filter for racecheck (default: the first test of every suite)
 #   SKIP_SANITIZERS=1, SKIP_BENCH=1   leave those steps out (reported as SKIP)
@@ -35,14 +36,14 @@ print_summary() {
   local status=$? failed=0 i
   echo
   echo "==================== device run summary ($(date -u +%FT%TZ)) ===================="
-  printf '%-11s %-6s %8s  %s\n' "step" "result" "seconds" "counts"
-  printf '%-11s %-6s %8s  %s\n' "----" "------" "-------" "------"
+  printf '%-13s %-6s %8s  %s\n' "step" "result" "seconds" "counts"
+  printf '%-13s %-6s %8s  %s\n' "----" "------" "-------" "------"
   for i in "${!STEPS[@]}"; do
-    printf '%-11s %-6s %8s  %s\n' "${STEPS[$i]}" "${RESULTS[$i]}" "${SECONDS_TAKEN[$i]}" "${COUNTS[$i]}"
+    printf '%-13s %-6s %8s  %s\n' "${STEPS[$i]}" "${RESULTS[$i]}" "${SECONDS_TAKEN[$i]}" "${COUNTS[$i]}"
     [[ "${RESULTS[$i]}" == FAIL ]] && failed=1
   done
   if ((status != 0 && failed == 0)); then
-    printf '%-11s %-6s %8s  %s\n' "script" "FAIL" "-" "aborted with status $status (see $OUT_DIR)"
+    printf '%-13s %-6s %8s  %s\n' "script" "FAIL" "-" "aborted with status $status (see $OUT_DIR)"
     failed=1
   fi
   echo "logs: $OUT_DIR"
@@ -115,25 +116,31 @@ echo "== device"
 t0=$(now)
 configured_src="$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null || true)"
 rc=0
-if [[ "$configured_src" == "$SRC_DIR" ]] && command -v ctest >/dev/null 2>&1; then
+if [[ -z "${GPU_TEST_FILTER:-}" && "$configured_src" == "$SRC_DIR" ]] && command -v ctest >/dev/null 2>&1; then
   echo "== ctest -L gpu"
   timeout "${TEST_TIMEOUT_S:-1800}" ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure \
     -j "${CTEST_JOBS:-4}" --timeout 600 >"$OUT_DIR/gpu_tests.log" 2>&1 || rc=$?
   summary_line="$(grep -E 'tests passed, [0-9]+ tests failed out of [0-9]+' "$OUT_DIR/gpu_tests.log" | tail -1 || true)"
   total="$(grep -Eo 'out of [0-9]+' <<<"$summary_line" | grep -Eo '[0-9]+' || echo 0)"
   nfailed="$(grep -Eo '[0-9]+ tests failed' <<<"$summary_line" | grep -Eo '^[0-9]+' || echo '?')"
-  nskipped="$(grep -c 'Skipped' "$OUT_DIR/gpu_tests.log" || true)"
-  counts="ctest: ${total:-0} tests, ${nfailed} failed, ${nskipped:-0} skipped"
+  npassed="$(grep -cE 'Test +#[0-9]+: .* Passed' "$OUT_DIR/gpu_tests.log" || true)"
+  nskipped="$(grep -c '\*\*\*Skipped' "$OUT_DIR/gpu_tests.log" || true)"
+  counts="ctest: ${npassed:-0} passed, ${nfailed} failed, ${nskipped:-0} skipped of ${total:-0}"
   if ((rc == 0)) && [[ "${total:-0}" == 0 ]]; then rc=1; fi  # no GPU tests found is a failure
+  if ((rc == 0)) && [[ "${npassed:-0}" == 0 ]]; then rc=-1; fi  # all skipped
 else
-  echo "== $GPU_TESTS (build folder configured at '${configured_src:-?}': running the binary directly)"
+  echo "== $GPU_TESTS --gtest_filter=${GPU_TEST_FILTER:-*} (build folder configured at '${configured_src:-?}')"
   timeout "${TEST_TIMEOUT_S:-1800}" "$GPU_TESTS" --gtest_filter="${GPU_TEST_FILTER:-*}" \
     --gtest_output="xml:$OUT_DIR/gpu_tests.xml" >"$OUT_DIR/gpu_tests.log" 2>&1 || rc=$?
   counts="gtest: $(gtest_counts "$OUT_DIR/gpu_tests.log")"
+  if ((rc == 0)) && [[ "$counts" == "gtest: 0 passed, 0 failed"* ]]; then rc=-1; fi  # all skipped
 fi
 tail -25 "$OUT_DIR/gpu_tests.log" || true
 grep -h '^\[ info \]' "$OUT_DIR/gpu_tests.log" | head -20 || true
-record "gpu tests" "$( ((rc == 0)) && echo PASS || echo FAIL)" $(($(now) - t0)) "$counts"
+result=PASS
+((rc == 0)) || result=FAIL
+((rc == -1)) && result=SKIP  # every test skipped itself (no usable GPU)
+record "gpu tests" "$result" $(($(now) - t0)) "$counts"
 
 # ---- 3. compute-sanitizer --------------------------------------------------------------------
 SANITIZER="$(find_tool compute-sanitizer)"
