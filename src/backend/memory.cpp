@@ -67,6 +67,10 @@ Buffer::Buffer(size_t size_bytes, Device device, Stream stream) : size_(size_byt
   MLA_CUDA_CHECK(cudaMalloc(&allocation_, size_bytes));
   data_ = allocation_;
   MLA_CUDA_CHECK(cudaMemsetAsync(data_, 0, size_bytes, cuda::to_cuda(stream)));
+  // Without a stream (workspaces, CUDA-graph buffers made at start-up) the zero-fill runs on the
+  // legacy default stream, which does not order with non-blocking streams: wait for it, so that
+  // work the caller issues later on any stream sees zeroed memory.
+  if (stream == nullptr) MLA_CUDA_CHECK(cudaStreamSynchronize(nullptr));
 #else
   (void)stream;
   size_ = 0;

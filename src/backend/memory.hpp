@@ -17,7 +17,8 @@ class Buffer {
   static constexpr size_t kAlignment = 256;
 
   Buffer() = default;
-  // Allocates `size_bytes` on `device` and zero-fills it (on CUDA: cudaMemsetAsync on `stream`).
+  // Allocates `size_bytes` on `device` and zero-fills it (on CUDA: cudaMemsetAsync on `stream`;
+  // with no stream, the fill has finished when the constructor returns).
   Buffer(size_t size_bytes, Device device, Stream stream = nullptr);
   ~Buffer();
   Buffer(const Buffer&) = delete;
