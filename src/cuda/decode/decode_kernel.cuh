@@ -32,6 +32,8 @@
 // Keys past the item's range are zero-filled (never read), so NaN in unused pages cannot leak.
 //
 // Version history: v1 mma.sync + cp.async double buffering, split-KV via plan_decode + combine.
+//   Measured on an H200 (docs/decode-kernel.md): 211 TFLOP/s for 64 requests x 128 heads x 4096
+//   keys; 3.1-3.3 TB/s of bf16 cache for 128 requests x 16 heads x 4096 keys.
 #pragma once
 
 #include <cuda_bf16.h>
