@@ -63,14 +63,22 @@ Buffer::Buffer(size_t size_bytes, Device device, Stream stream) : size_(size_byt
     return;
   }
 #if defined(MLA_WITH_CUDA)
-  CudaDeviceGuard guard(device);
-  MLA_CUDA_CHECK(cudaMalloc(&allocation_, size_bytes));
-  data_ = allocation_;
-  MLA_CUDA_CHECK(cudaMemsetAsync(data_, 0, size_bytes, cuda::to_cuda(stream)));
-  // Without a stream (workspaces, CUDA-graph buffers made at start-up) the zero-fill runs on the
-  // legacy default stream, which does not order with non-blocking streams: wait for it, so that
-  // work the caller issues later on any stream sees zeroed memory.
-  if (stream == nullptr) MLA_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  try {
+    CudaDeviceGuard guard(device);
+    MLA_CUDA_CHECK(cudaMalloc(&allocation_, size_bytes));
+    data_ = allocation_;
+    MLA_CUDA_CHECK(cudaMemsetAsync(data_, 0, size_bytes, cuda::to_cuda(stream)));
+    // Without a stream (workspaces, CUDA-graph buffers made at start-up) the zero-fill runs on
+    // the legacy default stream, which does not order with non-blocking streams: wait for it, so
+    // that work the caller issues later on any stream sees zeroed memory.
+    if (stream == nullptr) MLA_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  } catch (const Error& e) {
+    if (allocation_ != nullptr) (void)cudaFree(allocation_);
+    allocation_ = data_ = nullptr;
+    size_ = 0;
+    MLA_FAIL("Buffer: allocating ", size_bytes, " bytes on ", device_name(device), " failed: ",
+             e.message());
+  }
 #else
   (void)stream;
   size_ = 0;
