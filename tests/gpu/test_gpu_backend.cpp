@@ -626,6 +626,79 @@ TEST(GpuBackend, LongRequestIsSplitAndMatchesCpuBackend) {
   check_decode_family(c);
 }
 
+// The backend's rope path (rope_quantize into the workspace, then save and attend), with the
+// query as one tensor and as q_nope + q_pe: CUDA equals CPU (the CPU path is checked against a
+// float64 naive in tests/cpu/test_backend.cpp). Roped latents may round to neighbouring bf16
+// values on the two devices: the caches agree within one bf16 ulp.
+TEST(GpuBackend, RopePathAndSplitQueryMatchCpuBackend) {
+  MLA_REQUIRE_GPU();
+  const int heads = 16, max_position = 1024;
+  for (ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kTargetVerify}) {
+    for (bool split_q : {false, true}) {
+      SCOPED_TRACE(std::string(forward_mode_name(mode)) + (split_q ? " q_nope + q_pe" : " q"));
+      std::mt19937_64 rng(split_q ? 41 : 42);
+      const int q_len = mode == ForwardMode::kDecode ? 1 : 3;
+      Pool pool(64, 16, 512, 4, DType::kBF16, rng());
+      AbsorbedBatch b = make_absorbed_batch(pool, mode, fixed_requests({0, 37, 300}, q_len), heads,
+                                            DType::kInt32, rng, true, DType::kBF16);
+      HostTensor positions(DType::kInt64, {b.num_tokens});
+      for (int64_t t = 0, row = 0; t < int64_t(b.requests.size()); ++t)
+        for (int i = 0; i < b.requests[size_t(t)].q_len; ++i, ++row)
+          positions.i64(row) = b.requests[size_t(t)].cached + i;
+      HostTensor cos_sin(DType::kFP32, {max_position, kRopeDim});
+      for (int pos = 0; pos < max_position; ++pos)
+        for (int i = 0; i < kRopeDim / 2; ++i) {
+          const double angle = pos * std::pow(10000.0, -2.0 * i / kRopeDim);
+          cos_sin.set(int64_t(pos) * kRopeDim + i, float(std::cos(angle)));
+          cos_sin.set(int64_t(pos) * kRopeDim + kRopeDim / 2 + i, float(std::sin(angle)));
+        }
+      // The split form: q_nope [T, H, 512] and q_pe [T, H, 64] as separate tensors.
+      HostTensor q_nope(DType::kBF16, {b.num_tokens, heads, kKvLoraRank});
+      HostTensor q_pe(DType::kBF16, {b.num_tokens, heads, kRopeDim});
+      for (int64_t row = 0; row < b.num_tokens * heads; ++row) {
+        for (int d = 0; d < kKvLoraRank; ++d) q_nope.set(row * kKvLoraRank + d, b.q.get(row * kLatentDim + d));
+        for (int d = 0; d < kRopeDim; ++d) q_pe.set(row * kRopeDim + d, b.q.get(row * kLatentDim + kKvLoraRank + d));
+      }
+      pool.upload();
+      b.upload();
+      DeviceCopy d_positions(positions), d_cos_sin(cos_sin), d_q_nope(q_nope), d_q_pe(q_pe);
+
+      BackendConfig cpu_config = make_config(pool, heads, false, DType::kBF16);
+      BackendConfig gpu_config = make_config(pool, heads, true, DType::kBF16);
+      cpu_config.num_draft_tokens = gpu_config.num_draft_tokens = 3;
+      Backend cpu(cpu_config), gpu(gpu_config);
+      CudaStream stream;
+      const auto run = [&](Backend& backend, bool gpu_side) {
+        ForwardBatch batch = b.batch(gpu_side, true);
+        batch.positions = gpu_side ? d_positions.view() : positions.view();
+        AbsorbedAttentionArgs args = b.args(gpu_side);
+        if (split_q) {
+          args.q = TensorView{};
+          args.q_nope = gpu_side ? d_q_nope.view() : q_nope.view();
+          args.q_pe = gpu_side ? d_q_pe.view() : q_pe.view();
+        }
+        args.cos_sin_cache = gpu_side ? d_cos_sin.view() : cos_sin.view();
+        args.rope_style = RopeStyle::kNeox;
+        backend.init_forward_metadata(batch, gpu_side ? stream.get() : nullptr);
+        backend.forward_decode(batch, make_layer(pool, gpu_side), args, gpu_side ? stream.get() : nullptr);
+      };
+      run(cpu, false);
+      run(gpu, true);
+      MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+      // The inputs are read only: the query tensors are unchanged.
+      EXPECT_TRUE(bitwise_equal(b.d_q.download(), b.q));
+      EXPECT_TRUE(bitwise_equal(d_q_pe.download(), q_pe));
+      const HostTensor gpu_cache = pool.d_cache.download();
+      EXPECT_TRUE(all_close(gpu_cache.to_float(), to_double(pool.cache.to_float()), 1e-6, 1.0 / 128))
+          << "cache after the roped saves";
+      const HostTensor out = b.d_out.download();
+      expect_close(out, b.d_lse.download(), b.out, b.lse, "CUDA backend vs CPU backend");
+      // Never NaN: the roped queries and keys are finite, so every output is.
+      for (float x : out.to_float()) ASSERT_TRUE(std::isfinite(x));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // EXTEND
 
@@ -1112,11 +1185,13 @@ std::vector<Request> random_requests(int bs, int first_slot, int q_len, int long
 
 // Capture at batch sizes 1, 8, 32; replays with new lengths and new pages written into the same
 // buffers, two ways: metadata replayed eagerly before launching a graph of forward_decode (the
-// engine's way), and metadata replay + forward_decode captured in one graph. Each equals an
-// eager run of the same batch bit for bit and the float64 naive, and neither allocates.
+// engine's way), and metadata replay + forward_decode captured in one graph. Both give the same
+// bits; they equal an eager run of the same batch bit for bit (DECODE, TARGET_VERIFY) and the
+// float64 naive, and neither allocates. DRAFT_EXTEND graphs run num_draft_tokens rows per
+// request without cu_q_lens, while its eager plan has them: equal within the tolerances.
 TEST(GpuBackendGraph, DecodeAndTargetVerifyReplaysEqualEagerRuns) {
   MLA_REQUIRE_GPU();
-  for (ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kTargetVerify}) {
+  for (ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kTargetVerify, ForwardMode::kDraftExtend}) {
     SCOPED_TRACE(forward_mode_name(mode));
     const int heads = 16, page_size = 16, max_bs = 32, max_len = 1024;
     const int q_len = mode == ForwardMode::kDecode ? 1 : 3;
@@ -1209,16 +1284,23 @@ TEST(GpuBackendGraph, DecodeAndTargetVerifyReplaysEqualEagerRuns) {
         buffers.poison(raw(stream));
         ForwardBatch eager_batch = buffers.batch(mode, bs);
         eager_batch.seq_lens_cpu = b.seq_lens_cpu;
+        if (mode == ForwardMode::kDraftExtend) eager_batch.extend_seq_lens_cpu = b.q_lens;
         eager.init_forward_metadata(eager_batch, stream.get());
         eager.forward_decode(eager_batch, layer, buffers.args(tokens), stream.get());
         MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
         const HostTensor out_e = buffers.out.download(tokens), lse_e = buffers.lse.download(tokens);
 
-        EXPECT_TRUE(bitwise_equal(out_a, out_e)) << "forward graph replay vs eager: out";
-        EXPECT_TRUE(bitwise_equal(lse_a, lse_e)) << "forward graph replay vs eager: lse";
-        EXPECT_TRUE(bitwise_equal(out_b, out_e)) << "full graph replay vs eager: out";
-        EXPECT_TRUE(bitwise_equal(lse_b, lse_e)) << "full graph replay vs eager: lse";
-        expect_close(out_e, lse_e, b.reference(pool), "eager CUDA backend vs float64 naive");
+        EXPECT_TRUE(bitwise_equal(out_a, out_b)) << "forward graph vs full graph: out";
+        EXPECT_TRUE(bitwise_equal(lse_a, lse_b)) << "forward graph vs full graph: lse";
+        if (mode == ForwardMode::kDraftExtend) {
+          expect_close(out_a, lse_a, out_e, lse_e, "graph replay vs eager run");
+        } else {
+          EXPECT_TRUE(bitwise_equal(out_a, out_e)) << "graph replay vs eager: out";
+          EXPECT_TRUE(bitwise_equal(lse_a, lse_e)) << "graph replay vs eager: lse";
+        }
+        const NaiveAttention ref = b.reference(pool);
+        expect_close(out_a, lse_a, ref, "graph replay vs float64 naive");
+        expect_close(out_e, lse_e, ref, "eager CUDA backend vs float64 naive");
       }
       MLA_TEST_CUDA(cudaGraphExecDestroy(forward_graph));
       MLA_TEST_CUDA(cudaGraphExecDestroy(full_graph));
