@@ -1,9 +1,8 @@
 // append_latent_kv: public entry — validation, then device dispatch.
-#include <cmath>
-
 #include "cpu/cpu_ops.hpp"
 #include "mla/error.hpp"
 #include "ops/dispatch.hpp"
+#include "ops/validate_common.hpp"
 #if defined(MLA_WITH_CUDA)
 #include "cuda/cuda_ops.hpp"
 #endif
@@ -33,15 +32,14 @@ void append_latent_kv(const AppendLatentKvArgs& args, Stream stream) {
 
   check::ndim(op, "kv_cache", args.kv_cache, 3);
   const int64_t page_size = args.kv_cache.shape[1];
-  MLA_CHECK(page_size >= 1 && page_size <= kMaxPageSize && (page_size & (page_size - 1)) == 0, op,
+  MLA_CHECK(detail::is_power_of_two(page_size) && page_size <= kMaxPageSize, op,
             ": kv_cache.shape[1] (page size) must be a power of two in 1..", kMaxPageSize, ", got ",
             page_size, " (", args.kv_cache.describe(), ")");
   check::dim(op, "kv_cache", args.kv_cache, 2, kLatentDim, "kv_lora_rank 512 + rope 64");
   check::dtype_in(op, "kv_cache", args.kv_cache, {DType::kBF16, DType::kFP16, DType::kFP8E4M3});
   check::contiguous(op, "kv_cache", args.kv_cache);
 
-  MLA_CHECK(std::isfinite(args.k_scale) && args.k_scale > 0, op,
-            ": k_scale must be finite and > 0, got ", args.k_scale);
+  detail::check_scale(op, "k_scale", args.k_scale);
 
   const Device device = detail::common_device(
       op, {{"k_nope", &args.k_nope}, {"k_pe", &args.k_pe}, {"loc", &args.loc},

@@ -3,11 +3,10 @@
 // Everything that can be checked without reading tensor contents is checked here, for both
 // devices. Checks that need host values (cu_q_lens, cu_kv_lens) are done by the CPU
 // implementation.
-#include <cmath>
-
 #include "cpu/cpu_ops.hpp"
 #include "mla/error.hpp"
 #include "ops/dispatch.hpp"
+#include "ops/validate_common.hpp"
 #if defined(MLA_WITH_CUDA)
 #include "cuda/cuda_ops.hpp"
 #endif
@@ -17,11 +16,6 @@ namespace {
 
 constexpr int kQkHeadDim = 192;  // qk_nope_head_dim 128 + rope 64
 constexpr int kVHeadDim = 128;
-
-void check_scale(const char* op, const char* name, float value) {
-  MLA_CHECK(std::isfinite(value) && value > 0, op, ": ", name, " must be finite and > 0, got ",
-            value);
-}
 
 }  // namespace
 
@@ -65,26 +59,14 @@ void mha_prefill(const MhaPrefillArgs& args, Stream stream) {
             args.max_q_len);
   MLA_CHECK(args.max_kv_len >= 0, op, ": max_kv_len must be >= 0 (0 = derive), got ",
             args.max_kv_len);
-  MLA_CHECK(std::isfinite(args.softmax_scale) && args.softmax_scale > 0, op,
-            ": softmax_scale is required and must be finite and > 0 (e.g. 1/sqrt(192)), got ",
-            args.softmax_scale);
-  check_scale(op, "q_scale", args.q_scale);
-  check_scale(op, "k_scale", args.k_scale);
-  check_scale(op, "v_scale", args.v_scale);
+  detail::check_softmax_scale(op, args.softmax_scale);
+  detail::check_scale(op, "q_scale", args.q_scale);
+  detail::check_scale(op, "k_scale", args.k_scale);
+  detail::check_scale(op, "v_scale", args.v_scale);
 
   // Outputs.
-  check::ndim(op, "out", args.out, 3);
-  check::dim(op, "out", args.out, 0, num_q_tokens, "tokens, as q");
-  check::dim(op, "out", args.out, 1, num_heads, "heads, as q");
-  check::dim(op, "out", args.out, 2, kVHeadDim, "v head dim");
-  check::dtype_in(op, "out", args.out, {DType::kBF16, DType::kFP16, DType::kFP32});
-  check::inner_contiguous(op, "out", args.out);
-  if (!args.lse.empty()) {
-    check::ndim(op, "lse", args.lse, 2);
-    check::dim(op, "lse", args.lse, 0, num_q_tokens, "tokens, as q");
-    check::dim(op, "lse", args.lse, 1, num_heads, "heads, as q");
-    check::dtype(op, "lse", args.lse, DType::kFP32);
-  }
+  detail::check_attention_outputs(op, args.out, args.lse, num_q_tokens, num_heads, kVHeadDim,
+                                  "v head dim");
 
   const Device device = detail::common_device(
       op, {{"q", &args.q}, {"k", &args.k}, {"v", &args.v}, {"cu_q_lens", &args.cu_q_lens},

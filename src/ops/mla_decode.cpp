@@ -3,26 +3,15 @@
 // Everything that can be checked without reading tensor contents is checked here, for both
 // devices. Checks that need host values (cu_q_lens, kv_lens, page ids) are done by the CPU
 // implementation; the GPU path relies on the planner for them.
-#include <cmath>
-
 #include "cpu/cpu_ops.hpp"
 #include "mla/error.hpp"
 #include "ops/dispatch.hpp"
+#include "ops/validate_common.hpp"
 #if defined(MLA_WITH_CUDA)
 #include "cuda/cuda_ops.hpp"
 #endif
 
 namespace mla {
-namespace {
-
-bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
-
-void check_scale(const char* op, const char* name, float value) {
-  MLA_CHECK(std::isfinite(value) && value > 0, op, ": ", name, " must be finite and > 0, got ",
-            value);
-}
-
-}  // namespace
 
 void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   constexpr const char* op = "mla_decode";
@@ -32,7 +21,7 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   check::dtype_in(op, "kv_cache", args.kv_cache, {DType::kBF16, DType::kFP16, DType::kFP8E4M3});
   check::dim(op, "kv_cache", args.kv_cache, 2, kLatentDim, "kv_lora_rank 512 + rope 64");
   const int64_t page_size = args.kv_cache.shape[1];
-  MLA_CHECK(is_power_of_two(page_size) && page_size <= kMaxPageSize, op,
+  MLA_CHECK(detail::is_power_of_two(page_size) && page_size <= kMaxPageSize, op,
             ": page size kv_cache.shape[1] must be a power of two in 1..", kMaxPageSize, ", got ",
             page_size, " (", args.kv_cache.describe(), ")");
   check::contiguous(op, "kv_cache", args.kv_cache);
@@ -104,25 +93,13 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
     MLA_CHECK(args.max_q_len == 0 || args.max_q_len >= args.q_len, op, ": max_q_len ",
               args.max_q_len, " is smaller than q_len ", args.q_len);
   }
-  MLA_CHECK(std::isfinite(args.softmax_scale) && args.softmax_scale > 0, op,
-            ": softmax_scale is required and must be finite and > 0 (e.g. 1/sqrt(192)), got ",
-            args.softmax_scale);
-  check_scale(op, "q_scale", args.q_scale);
-  check_scale(op, "k_scale", args.k_scale);
+  detail::check_softmax_scale(op, args.softmax_scale);
+  detail::check_scale(op, "q_scale", args.q_scale);
+  detail::check_scale(op, "k_scale", args.k_scale);
 
   // Outputs.
-  check::ndim(op, "out", args.out, 3);
-  check::dim(op, "out", args.out, 0, num_tokens, "tokens, as q");
-  check::dim(op, "out", args.out, 1, num_heads, "heads, as q");
-  check::dim(op, "out", args.out, 2, kKvLoraRank, "kv_lora_rank");
-  check::dtype_in(op, "out", args.out, {DType::kBF16, DType::kFP16, DType::kFP32});
-  check::inner_contiguous(op, "out", args.out);
-  if (!args.lse.empty()) {
-    check::ndim(op, "lse", args.lse, 2);
-    check::dim(op, "lse", args.lse, 0, num_tokens, "tokens, as q");
-    check::dim(op, "lse", args.lse, 1, num_heads, "heads, as q");
-    check::dtype(op, "lse", args.lse, DType::kFP32);
-  }
+  detail::check_attention_outputs(op, args.out, args.lse, num_tokens, num_heads, kKvLoraRank,
+                                  "kv_lora_rank");
 
   const Device device = detail::common_device(
       op, {{"q", &args.q}, {"q_nope", &args.q_nope}, {"q_pe", &args.q_pe},

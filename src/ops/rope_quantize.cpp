@@ -1,9 +1,8 @@
 // rope_quantize: public entry — validation, then device dispatch.
-#include <cmath>
-
 #include "cpu/cpu_ops.hpp"
 #include "mla/error.hpp"
 #include "ops/dispatch.hpp"
+#include "ops/validate_common.hpp"
 #if defined(MLA_WITH_CUDA)
 #include "cuda/cuda_ops.hpp"
 #endif
@@ -89,10 +88,8 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream) {
 
   MLA_CHECK(args.style == RopeStyle::kNeox || args.style == RopeStyle::kInterleaved, op,
             ": style must be kNeox or kInterleaved, got ", int(args.style));
-  MLA_CHECK(std::isfinite(args.q_scale) && args.q_scale > 0, op,
-            ": q_scale must be finite and > 0, got ", args.q_scale);
-  MLA_CHECK(std::isfinite(args.k_scale) && args.k_scale > 0, op,
-            ": k_scale must be finite and > 0, got ", args.k_scale);
+  detail::check_scale(op, "q_scale", args.q_scale);
+  detail::check_scale(op, "k_scale", args.k_scale);
 
   const Device device = detail::common_device(
       op, {{"q_nope", &args.q_nope}, {"q_pe", &args.q_pe}, {"k_nope", &args.k_nope},

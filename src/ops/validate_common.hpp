@@ -1,0 +1,46 @@
+// Argument checks shared by the public op entries (src/ops/*.cpp).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "mla/error.hpp"
+#include "mla/tensor.hpp"
+
+namespace mla::detail {
+
+inline bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+// A dequantisation scale: finite and > 0.
+inline void check_scale(const char* op, const char* name, float value) {
+  MLA_CHECK(std::isfinite(value) && value > 0, op, ": ", name, " must be finite and > 0, got ",
+            value);
+}
+
+// The softmax scale of an attention op: required, finite and > 0.
+inline void check_softmax_scale(const char* op, float softmax_scale) {
+  MLA_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, op,
+            ": softmax_scale is required and must be finite and > 0 (e.g. 1/sqrt(192)), got ",
+            softmax_scale);
+}
+
+// The outputs of an attention op over num_tokens query tokens of num_heads heads:
+// out [T, H, out_dim] bf16/fp16/fp32 with a contiguous last dim, and lse [T, H] fp32 if given.
+inline void check_attention_outputs(const char* op, const TensorView& out, const TensorView& lse,
+                                    int64_t num_tokens, int64_t num_heads, int64_t out_dim,
+                                    const char* out_dim_what) {
+  check::ndim(op, "out", out, 3);
+  check::dim(op, "out", out, 0, num_tokens, "tokens, as q");
+  check::dim(op, "out", out, 1, num_heads, "heads, as q");
+  check::dim(op, "out", out, 2, out_dim, out_dim_what);
+  check::dtype_in(op, "out", out, {DType::kBF16, DType::kFP16, DType::kFP32});
+  check::inner_contiguous(op, "out", out);
+  if (!lse.empty()) {
+    check::ndim(op, "lse", lse, 2);
+    check::dim(op, "lse", lse, 0, num_tokens, "tokens, as q");
+    check::dim(op, "lse", lse, 1, num_heads, "heads, as q");
+    check::dtype(op, "lse", lse, DType::kFP32);
+  }
+}
+
+}  // namespace mla::detail
