@@ -55,6 +55,18 @@ void check_host_lengths(const char* op, const char* name, std::span<const int32_
             " entries, got ", values.size());
 }
 
+void fill_block_table(const TensorView& req_to_token, const TensorView& req_pool_indices,
+                      const TensorView& seq_lens, int page_size, const TensorView& block_table,
+                      Stream stream) {
+  BuildBlockTableArgs args;
+  args.req_to_token = req_to_token;
+  args.req_pool_indices = req_pool_indices;
+  args.seq_lens = seq_lens;
+  args.page_size = page_size;
+  args.block_table = block_table;
+  build_block_table(args, stream);
+}
+
 size_t ScratchArena::aligned_bytes(DType dtype, std::initializer_list<int64_t> shape) {
   int64_t count = 1;
   for (int64_t s : shape) count *= s;
@@ -276,13 +288,9 @@ void Backend::Impl::plan_decode_family(const ForwardBatch& batch, Stream stream)
   p.max_blocks = width;
   p.max_kv_len = max_kv_len;
   p.block_table = detail::int32_view(base + at_block_table, {batch_size, width}, device);
-  BuildBlockTableArgs table;
-  table.req_to_token = config.req_to_token;
-  table.req_pool_indices = detail::first_rows(batch.req_pool_indices, batch_size);
-  table.seq_lens = p.kv_lens;
-  table.page_size = config.page_size;
-  table.block_table = p.block_table;
-  build_block_table(table, stream);
+  detail::fill_block_table(config.req_to_token,
+                           detail::first_rows(batch.req_pool_indices, batch_size), p.kv_lens,
+                           config.page_size, p.block_table, stream);
   attach_schedule(op, p, eager_schedule, true, stream);
   plan = std::move(p);
 }
@@ -368,13 +376,8 @@ void Backend::Impl::plan_extend(const ForwardBatch& batch, Stream stream) {
   p.max_blocks = width;
   p.block_table = detail::int32_view(base + at_block_table, {batch_size, width}, device);
   const TensorView req_pool_indices = detail::first_rows(batch.req_pool_indices, batch_size);
-  BuildBlockTableArgs table;
-  table.req_to_token = config.req_to_token;
-  table.req_pool_indices = req_pool_indices;
-  table.seq_lens = p.kv_lens;
-  table.page_size = config.page_size;
-  table.block_table = p.block_table;
-  build_block_table(table, stream);
+  detail::fill_block_table(config.req_to_token, req_pool_indices, p.kv_lens, config.page_size,
+                           p.block_table, stream);
 
   // Prefix token slots, request-major: with page size 1 a block-table row is the request's
   // token slots, so each request's prefix row is written straight into its packed place.
@@ -382,13 +385,10 @@ void Backend::Impl::plan_extend(const ForwardBatch& batch, Stream stream) {
   for (int b = 0; b < batch_size; ++b) {
     const int32_t prefix = ext.prefix_lens[size_t(b)];
     if (prefix == 0) continue;
-    BuildBlockTableArgs slots;
-    slots.req_to_token = config.req_to_token;
-    slots.req_pool_indices = detail::row_range(req_pool_indices, b, 1);
-    slots.seq_lens = detail::int32_view(base + at_prefix_lens + b, {1}, device);
-    slots.page_size = 1;
-    slots.block_table = detail::int32_view(base + at_slots + slot_offset, {1, prefix}, device);
-    build_block_table(slots, stream);
+    detail::fill_block_table(
+        config.req_to_token, detail::row_range(req_pool_indices, b, 1),
+        detail::int32_view(base + at_prefix_lens + b, {1}, device), 1,
+        detail::int32_view(base + at_slots + slot_offset, {1, prefix}, device), stream);
     slot_offset += prefix;
   }
   for (size_t c = 0; c < ext.chunks.size(); ++c) {
@@ -439,17 +439,28 @@ void Backend::Impl::plan_fixed(const char* op, int bs, int64_t num_tokens,
     detail::check_index_vector(op, "req_pool_indices", req_pool_indices, bs, config.device);
     detail::check_index_vector(op, "seq_lens", seq_lens, bs, config.device);
     detail::lengths_to_int32(detail::first_rows(seq_lens, bs), seq_len_offset, p.kv_lens, stream);
-    BuildBlockTableArgs table;
-    table.req_to_token = config.req_to_token;
-    table.req_pool_indices = detail::first_rows(req_pool_indices, bs);
-    table.seq_lens = p.kv_lens;
-    table.page_size = config.page_size;
-    table.block_table = p.block_table;
-    build_block_table(table, stream);
+    detail::fill_block_table(config.req_to_token, detail::first_rows(req_pool_indices, bs),
+                             p.kv_lens, config.page_size, p.block_table, stream);
     attach_schedule(op, p, graph_schedule, false, stream);
   }
   plan = std::move(p);
   planned = true;
+}
+
+const Plan* Backend::Impl::begin_forward(const char* op, const ForwardBatch& batch,
+                                         bool decode_family, const char* mode_hint,
+                                         const LayerParams& layer, Stream stream) {
+  if (batch.mode == ForwardMode::kIdle) return nullptr;
+  if (decode_family) {
+    MLA_CHECK(is_decode_family(batch.mode), op,
+              ": batch.mode must be DECODE, TARGET_VERIFY or DRAFT_EXTEND, got ",
+              forward_mode_name(batch.mode), mode_hint);
+  } else {
+    MLA_CHECK(batch.mode == ForwardMode::kExtend, op, ": batch.mode must be EXTEND, got ",
+              forward_mode_name(batch.mode), mode_hint);
+  }
+  check_layer(op, layer);
+  return &plan_for(op, batch, stream);
 }
 
 const Plan& Backend::Impl::plan_for(const char* op, const ForwardBatch& batch, Stream stream) {
@@ -543,30 +554,16 @@ void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, cons
     check::dtype(op, q_name, q_first, config.q_dtype);
   check::same_device(op, q_name, q_first, device);
   if (!fused) {
-    check::ndim(op, "args.q_pe", args.q_pe, 3);
-    check::dim(op, "args.q_pe", args.q_pe, 0, num_tokens, "tokens, as args.q_nope");
-    check::dim(op, "args.q_pe", args.q_pe, 1, heads, "heads, as BackendConfig::num_q_heads");
-    check::dim(op, "args.q_pe", args.q_pe, 2, kRopeDim, "rope dim");
-    check::dtype(op, "args.q_pe", args.q_pe, q_first.dtype);
-    check::same_device(op, "args.q_pe", args.q_pe, device);
+    check_heads_operand(op, "args.q_pe", args.q_pe, num_tokens, "tokens, as args.q_nope", kRopeDim,
+                        "rope dim", q_first.dtype);
   }
   if (p.num_tokens >= 0)
     MLA_CHECK(num_tokens == p.num_tokens, op, ": ", q_name, " has ", num_tokens,
               " tokens but the plan for this ", forward_mode_name(p.mode), " batch has ",
               p.num_tokens);
-  check::ndim(op, "args.out", args.out, 3);
-  check::dim(op, "args.out", args.out, 0, num_tokens, "tokens, as the queries");
-  check::dim(op, "args.out", args.out, 1, heads, "heads, as BackendConfig::num_q_heads");
-  check::dim(op, "args.out", args.out, 2, kKvLoraRank, "kv_lora_rank");
-  check::dtype(op, "args.out", args.out, config.out_dtype);
-  check::same_device(op, "args.out", args.out, device);
-  if (!args.lse.empty()) {
-    check::ndim(op, "args.lse", args.lse, 2);
-    check::dim(op, "args.lse", args.lse, 0, num_tokens, "tokens, as the queries");
-    check::dim(op, "args.lse", args.lse, 1, heads, "heads, as BackendConfig::num_q_heads");
-    check::dtype(op, "args.lse", args.lse, DType::kFP32);
-    check::same_device(op, "args.lse", args.lse, device);
-  }
+  check_heads_operand(op, "args.out", args.out, num_tokens, "tokens, as the queries", kKvLoraRank,
+                      "kv_lora_rank", config.out_dtype);
+  if (!args.lse.empty()) check_lse(op, args.lse, num_tokens, "tokens, as the queries");
   TensorView k_nope = args.k_nope;
   TensorView k_pe = args.k_pe;
   if (args.save_kv_cache) {
@@ -617,15 +614,7 @@ void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, cons
     decode.q_nope = args.q_nope;
     decode.q_pe = args.q_pe;
   }
-  if (args.save_kv_cache) {
-    AppendLatentKvArgs append;
-    append.k_nope = k_nope;
-    append.k_pe = k_pe;
-    append.loc = detail::first_rows(batch.out_cache_loc, num_tokens);
-    append.kv_cache = layer.kv_cache;
-    append.k_scale = layer.k_scale;
-    append_latent_kv(append, stream);
-  }
+  if (args.save_kv_cache) append_kv(layer, k_nope, k_pe, batch.out_cache_loc, num_tokens, stream);
   decode.kv_cache = layer.kv_cache;
   decode.block_table = p.block_table;
   decode.kv_lens = p.kv_lens;
@@ -641,39 +630,37 @@ void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, cons
   mla_decode(decode, stream);
 }
 
+void Backend::Impl::check_heads_operand(const char* op, const char* name, const TensorView& t,
+                                        int64_t rows, const char* rows_what, int64_t width,
+                                        const char* width_what, DType dtype) const {
+  check::ndim(op, name, t, 3);
+  check::dim(op, name, t, 0, rows, rows_what);
+  check::dim(op, name, t, 1, config.num_q_heads, "heads, as BackendConfig::num_q_heads");
+  check::dim(op, name, t, 2, width, width_what);
+  check::dtype(op, name, t, dtype);
+  check::same_device(op, name, t, config.device);
+}
+
+void Backend::Impl::check_lse(const char* op, const TensorView& lse, int64_t rows,
+                              const char* rows_what) const {
+  check::ndim(op, "args.lse", lse, 2);
+  check::dim(op, "args.lse", lse, 0, rows, rows_what);
+  check::dim(op, "args.lse", lse, 1, config.num_q_heads, "heads, as BackendConfig::num_q_heads");
+  check::dtype(op, "args.lse", lse, DType::kFP32);
+  check::same_device(op, "args.lse", lse, config.device);
+}
+
 void Backend::Impl::check_mha(const char* op, const MhaAttentionArgs& args, int64_t num_q,
                               int64_t num_kv, bool lse_required) const {
-  const int64_t heads = config.num_q_heads;
-  const Device device = config.device;
-  struct Operand {
-    const char* name;
-    const TensorView* t;
-    int64_t rows;
-    int64_t width;
-    DType dtype;
-  };
-  const Operand operands[] = {{"args.q", &args.q, num_q, 192, config.q_dtype},
-                              {"args.k", &args.k, num_kv, 192, config.q_dtype},
-                              {"args.v", &args.v, num_kv, 128, config.q_dtype},
-                              {"args.out", &args.out, num_q, 128, config.out_dtype}};
-  for (const Operand& o : operands) {
-    check::ndim(op, o.name, *o.t, 3);
-    check::dim(op, o.name, *o.t, 0, o.rows, o.t == &args.q || o.t == &args.out
-                                                 ? "tokens, as planned (sum of extend lengths)"
-                                                 : "keys, as planned");
-    check::dim(op, o.name, *o.t, 1, heads, "heads, as BackendConfig::num_q_heads");
-    check::dim(op, o.name, *o.t, 2, o.width, o.width == 192 ? "qk_nope 128 + rope 64" : "v head dim");
-    check::dtype(op, o.name, *o.t, o.dtype);
-    check::same_device(op, o.name, *o.t, device);
-  }
+  const char* tokens = "tokens, as planned (sum of extend lengths)";
+  const char* keys = "keys, as planned";
+  const char* qk_dim = "qk_nope 128 + rope 64";
+  check_heads_operand(op, "args.q", args.q, num_q, tokens, 192, qk_dim, config.q_dtype);
+  check_heads_operand(op, "args.k", args.k, num_kv, keys, 192, qk_dim, config.q_dtype);
+  check_heads_operand(op, "args.v", args.v, num_kv, keys, 128, "v head dim", config.q_dtype);
+  check_heads_operand(op, "args.out", args.out, num_q, tokens, 128, "v head dim", config.out_dtype);
   MLA_CHECK(!lse_required || !args.lse.empty(), op, ": args.lse is required");
-  if (!args.lse.empty()) {
-    check::ndim(op, "args.lse", args.lse, 2);
-    check::dim(op, "args.lse", args.lse, 0, num_q, "tokens, as args.q");
-    check::dim(op, "args.lse", args.lse, 1, heads, "heads, as BackendConfig::num_q_heads");
-    check::dtype(op, "args.lse", args.lse, DType::kFP32);
-    check::same_device(op, "args.lse", args.lse, device);
-  }
+  if (!args.lse.empty()) check_lse(op, args.lse, num_q, "tokens, as args.q");
 }
 
 void Backend::Impl::check_chunk_index(const char* op, int chunk_idx) const {
@@ -683,19 +670,18 @@ void Backend::Impl::check_chunk_index(const char* op, int chunk_idx) const {
             ": chunk_idx must be in [0, ", plan.extend.chunks.size(), "), got ", chunk_idx);
 }
 
-void Backend::Impl::run_new_token_attention(const char*, const LayerParams& layer,
-                                            const MhaAttentionArgs& args, const TensorView& out,
-                                            const TensorView& lse, Stream stream) {
-  const ExtendPlan& ext = plan.extend;
+void Backend::Impl::run_mha_prefill(const LayerParams& layer, const MhaAttentionArgs& args,
+                                    const TensorView& cu_kv_lens, int max_kv_len, bool causal,
+                                    const TensorView& out, const TensorView& lse, Stream stream) {
   MhaPrefillArgs m;
   m.q = args.q;
   m.k = args.k;
   m.v = args.v;
-  m.cu_q_lens = ext.cu_q_lens_device;
-  m.cu_kv_lens = ext.cu_q_lens_device;
-  m.max_q_len = std::max(1, ext.max_q_len);
-  m.max_kv_len = m.max_q_len;
-  m.causal = true;
+  m.cu_q_lens = plan.extend.cu_q_lens_device;
+  m.cu_kv_lens = cu_kv_lens;
+  m.max_q_len = std::max(1, plan.extend.max_q_len);
+  m.max_kv_len = std::max(1, max_kv_len);
+  m.causal = causal;
   m.softmax_scale = layer.softmax_scale;
   m.q_scale = args.q_scale;
   m.k_scale = args.k_scale;
@@ -705,27 +691,31 @@ void Backend::Impl::run_new_token_attention(const char*, const LayerParams& laye
   mha_prefill(m, stream);
 }
 
+void Backend::Impl::run_new_token_attention(const char*, const LayerParams& layer,
+                                            const MhaAttentionArgs& args, const TensorView& out,
+                                            const TensorView& lse, Stream stream) {
+  // The new tokens attend to themselves, causally.
+  run_mha_prefill(layer, args, plan.extend.cu_q_lens_device, plan.extend.max_q_len, true, out,
+                  lse, stream);
+}
+
 void Backend::Impl::run_prefix_chunk_attention(const char*, int chunk_idx, const LayerParams& layer,
                                                const MhaAttentionArgs& args, const TensorView& out,
                                                const TensorView& lse, Stream stream) {
-  const ExtendPlan& ext = plan.extend;
-  const PrefixChunk& chunk = ext.chunks[size_t(chunk_idx)];
-  MhaPrefillArgs m;
-  m.q = args.q;
-  m.k = args.k;
-  m.v = args.v;
-  m.cu_q_lens = ext.cu_q_lens_device;
-  m.cu_kv_lens = chunk.cu_kv_lens_device;
-  m.max_q_len = std::max(1, ext.max_q_len);
-  m.max_kv_len = std::max(1, chunk.max_kv_len);
-  m.causal = false;
-  m.softmax_scale = layer.softmax_scale;
-  m.q_scale = args.q_scale;
-  m.k_scale = args.k_scale;
-  m.v_scale = args.v_scale;
-  m.out = out;
-  m.lse = lse;
-  mha_prefill(m, stream);
+  const PrefixChunk& chunk = plan.extend.chunks[size_t(chunk_idx)];
+  run_mha_prefill(layer, args, chunk.cu_kv_lens_device, chunk.max_kv_len, false, out, lse, stream);
+}
+
+void Backend::Impl::append_kv(const LayerParams& layer, const TensorView& k_nope,
+                              const TensorView& k_pe, const TensorView& out_cache_loc,
+                              int64_t num_tokens, Stream stream) {
+  AppendLatentKvArgs append;
+  append.k_nope = k_nope;
+  append.k_pe = k_pe;
+  append.loc = detail::first_rows(out_cache_loc, num_tokens);
+  append.kv_cache = layer.kv_cache;
+  append.k_scale = layer.k_scale;
+  append_latent_kv(append, stream);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -807,48 +797,32 @@ void Backend::save_latent_kv(const ForwardBatch& batch, const LayerParams& layer
   check::same_device(op, "k_nope", k_nope, impl_->config.device);
   detail::check_index_vector(op, "batch.out_cache_loc", batch.out_cache_loc, num_tokens,
                              impl_->config.device);
-  AppendLatentKvArgs append;
-  append.k_nope = k_nope;
-  append.k_pe = k_pe;
-  append.loc = detail::first_rows(batch.out_cache_loc, num_tokens);
-  append.kv_cache = layer.kv_cache;
-  append.k_scale = layer.k_scale;
-  append_latent_kv(append, stream);
+  impl_->append_kv(layer, k_nope, k_pe, batch.out_cache_loc, num_tokens, stream);
 }
 
 void Backend::forward_decode(const ForwardBatch& batch, const LayerParams& layer,
                              const AbsorbedAttentionArgs& args, Stream stream) {
   constexpr const char* op = "forward_decode";
-  if (batch.mode == ForwardMode::kIdle) return;
-  MLA_CHECK(is_decode_family(batch.mode), op,
-            ": batch.mode must be DECODE, TARGET_VERIFY or DRAFT_EXTEND, got ",
-            forward_mode_name(batch.mode), " (EXTEND runs forward_extend_*)");
-  impl_->check_layer(op, layer);
-  const Plan& p = impl_->plan_for(op, batch, stream);
-  impl_->run_absorbed(op, batch, layer, args, p, stream);
+  const Plan* p = impl_->begin_forward(op, batch, true, " (EXTEND runs forward_extend_*)", layer,
+                                       stream);
+  if (p) impl_->run_absorbed(op, batch, layer, args, *p, stream);
 }
 
 void Backend::forward_extend_absorbed(const ForwardBatch& batch, const LayerParams& layer,
                                       const AbsorbedAttentionArgs& args, Stream stream) {
   constexpr const char* op = "forward_extend_absorbed";
-  if (batch.mode == ForwardMode::kIdle) return;
-  MLA_CHECK(batch.mode == ForwardMode::kExtend, op, ": batch.mode must be EXTEND, got ",
-            forward_mode_name(batch.mode), " (the decode family runs forward_decode)");
-  impl_->check_layer(op, layer);
-  const Plan& p = impl_->plan_for(op, batch, stream);
-  impl_->run_absorbed(op, batch, layer, args, p, stream);
+  const Plan* p = impl_->begin_forward(op, batch, false, " (the decode family runs forward_decode)",
+                                       layer, stream);
+  if (p) impl_->run_absorbed(op, batch, layer, args, *p, stream);
 }
 
 void Backend::forward_extend(const ForwardBatch& batch, const LayerParams& layer,
                              const MhaAttentionArgs& args, Stream stream) {
   constexpr const char* op = "forward_extend";
-  if (batch.mode == ForwardMode::kIdle) return;
-  MLA_CHECK(batch.mode == ForwardMode::kExtend, op, ": batch.mode must be EXTEND, got ",
-            forward_mode_name(batch.mode));
-  impl_->check_layer(op, layer);
-  const Plan& p = impl_->plan_for(op, batch, stream);
-  impl_->check_mha(op, args, p.num_tokens, p.num_tokens, false);
-  if (p.batch_size == 0 || p.num_tokens == 0) return;
+  const Plan* p = impl_->begin_forward(op, batch, false, "", layer, stream);
+  if (!p) return;
+  impl_->check_mha(op, args, p->num_tokens, p->num_tokens, false);
+  if (p->batch_size == 0 || p->num_tokens == 0) return;
   impl_->run_new_token_attention(op, layer, args, args.out, args.lse, stream);
 }
 
@@ -880,15 +854,12 @@ void Backend::forward_prefix_chunk(const ForwardBatch& batch, int chunk_idx,
                                    const LayerParams& layer, const MhaAttentionArgs& args,
                                    Stream stream) {
   constexpr const char* op = "forward_prefix_chunk";
-  if (batch.mode == ForwardMode::kIdle) return;
-  MLA_CHECK(batch.mode == ForwardMode::kExtend, op, ": batch.mode must be EXTEND, got ",
-            forward_mode_name(batch.mode));
-  impl_->check_layer(op, layer);
-  const Plan& p = impl_->plan_for(op, batch, stream);
+  const Plan* p = impl_->begin_forward(op, batch, false, "", layer, stream);
+  if (!p) return;
   impl_->check_chunk_index(op, chunk_idx);
-  const PrefixChunk& chunk = p.extend.chunks[size_t(chunk_idx)];
-  impl_->check_mha(op, args, p.num_tokens, chunk.num_tokens, true);
-  if (p.num_tokens == 0) return;
+  const PrefixChunk& chunk = p->extend.chunks[size_t(chunk_idx)];
+  impl_->check_mha(op, args, p->num_tokens, chunk.num_tokens, true);
+  if (p->num_tokens == 0) return;
   impl_->run_prefix_chunk_attention(op, chunk_idx, layer, args, args.out, args.lse, stream);
 }
 
@@ -907,12 +878,10 @@ void Backend::forward_extend_chunked(const ForwardBatch& batch, const LayerParam
                                      const MhaAttentionArgs& new_tokens,
                                      const UpProjectFn& up_project, Stream stream) {
   constexpr const char* op = "forward_extend_chunked";
-  if (batch.mode == ForwardMode::kIdle) return;
-  MLA_CHECK(batch.mode == ForwardMode::kExtend, op, ": batch.mode must be EXTEND, got ",
-            forward_mode_name(batch.mode));
   Impl& s = *impl_;
-  s.check_layer(op, layer);
-  const Plan& p = s.plan_for(op, batch, stream);
+  const Plan* begun = s.begin_forward(op, batch, false, "", layer, stream);
+  if (!begun) return;
+  const Plan& p = *begun;
   s.check_mha(op, new_tokens, p.num_tokens, p.num_tokens, false);
   const std::vector<PrefixChunk>& chunks = p.extend.chunks;
   MLA_CHECK(chunks.empty() || static_cast<bool>(up_project), op,

@@ -42,6 +42,12 @@ void check_index_vector(const char* op, const char* name, const TensorView& t, i
 void check_host_lengths(const char* op, const char* name, std::span<const int32_t> values,
                         int64_t len);
 
+// block_table [bs, width] = the pages (of page_size tokens) that hold seq_lens [bs] tokens of the
+// requests req_pool_indices [bs], from req_to_token (build_block_table).
+void fill_block_table(const TensorView& req_to_token, const TensorView& req_pool_indices,
+                      const TensorView& seq_lens, int page_size, const TensorView& block_table,
+                      Stream stream);
+
 // Carves 256-byte aligned tensors out of a workspace, front to back (reset per call).
 class ScratchArena {
  public:
@@ -100,6 +106,11 @@ struct Backend::Impl {
                   const TensorView& seq_lens, ForwardMode mode, Stream stream);
   // The plan for a forward call: checks mode and batch size, re-plans when the batch grew.
   const Plan& plan_for(const char* op, const ForwardBatch& batch, Stream stream);
+  // The start of a forward call: nullptr for an IDLE batch (nothing to run); otherwise checks
+  // that batch.mode is one the call runs (the decode family, or EXTEND; mode_hint is appended to
+  // the message) and the layer, and returns plan_for(batch).
+  const Plan* begin_forward(const char* op, const ForwardBatch& batch, bool decode_family,
+                            const char* mode_hint, const LayerParams& layer, Stream stream);
   void check_layer(const char* op, const LayerParams& layer) const;
   // Queries per request of the fixed-length decode-family modes.
   int fixed_q_len(const char* op, ForwardMode mode, int batch_num_draft_tokens) const;
@@ -111,8 +122,21 @@ struct Backend::Impl {
   void run_prefix_chunk_attention(const char* op, int chunk_idx, const LayerParams& layer,
                                   const MhaAttentionArgs& args, const TensorView& out,
                                   const TensorView& lse, Stream stream);
+  // mha_prefill of args.q over args.k/args.v, whose keys per request are cu_kv_lens.
+  void run_mha_prefill(const LayerParams& layer, const MhaAttentionArgs& args,
+                       const TensorView& cu_kv_lens, int max_kv_len, bool causal,
+                       const TensorView& out, const TensorView& lse, Stream stream);
+  // Writes k_nope/k_pe of num_tokens tokens into layer.kv_cache at out_cache_loc.
+  void append_kv(const LayerParams& layer, const TensorView& k_nope, const TensorView& k_pe,
+                 const TensorView& out_cache_loc, int64_t num_tokens, Stream stream);
   void check_mha(const char* op, const MhaAttentionArgs& args, int64_t num_q, int64_t num_kv,
                  bool lse_required) const;
+  // An attention operand [rows, num_q_heads, width] of `dtype` on the configured device.
+  void check_heads_operand(const char* op, const char* name, const TensorView& t, int64_t rows,
+                           const char* rows_what, int64_t width, const char* width_what,
+                           DType dtype) const;
+  // args.lse [rows, num_q_heads], fp32 on the configured device.
+  void check_lse(const char* op, const TensorView& lse, int64_t rows, const char* rows_what) const;
   void check_chunk_index(const char* op, int chunk_idx) const;
   // CUDA: (re)allocates `slot` for at least max_batch requests of max_q_len queries.
   void reserve_schedule(ScheduleSlot& slot, int max_batch, int max_q_len, Stream stream);

@@ -45,13 +45,8 @@ void MultiStepDraftBackend::Impl::build_and_install(int bs, const TensorView& re
   const int num_step_backends = int(steps.size());
   for (int i = 0; i < num_step_backends; ++i)
     detail::lengths_to_int32(detail::first_rows(seq_lens, bs), i, kv_lens[size_t(i)], stream);
-  BuildBlockTableArgs table;
-  table.req_to_token = config.req_to_token;
-  table.req_pool_indices = detail::first_rows(req_pool_indices, bs);
-  table.seq_lens = kv_lens.back();
-  table.page_size = config.page_size;
-  table.block_table = block_table;
-  build_block_table(table, stream);
+  detail::fill_block_table(config.req_to_token, detail::first_rows(req_pool_indices, bs),
+                           kv_lens.back(), config.page_size, block_table, stream);
   for (int i = 0; i < num_step_backends; ++i) {
     Plan p;
     p.mode = ForwardMode::kDecode;
