@@ -4,6 +4,7 @@
 #include <cstring>
 #include <utility>
 
+#include "cpu/load_index.hpp"
 #include "mla/error.hpp"
 #if defined(MLA_WITH_CUDA)
 #include "cuda/cuda_check.hpp"
@@ -36,12 +37,6 @@ class CudaDeviceGuard {
 [[noreturn]] void no_cuda(const char* what, Device device) {
   MLA_FAIL(what, ": memory is on ", device_name(device),
            " but this build of mla has no CUDA support (rebuild with nvcc available)");
-}
-
-int64_t load_length(const TensorView& t, int64_t i) {
-  const int64_t offset = i * t.stride[0];
-  return t.dtype == DType::kInt64 ? static_cast<const int64_t*>(t.data)[offset]
-                                  : static_cast<const int32_t*>(t.data)[offset];
 }
 
 void check_lengths(const char* op, const TensorView& lens) {
@@ -194,7 +189,7 @@ void lengths_to_int32(const TensorView& lens, int32_t offset, const TensorView& 
   if (n == 0) return;
   if (lens.device.type == DeviceType::kCPU) {
     int32_t* dst = static_cast<int32_t*>(out.data);
-    for (int64_t i = 0; i < n; ++i) dst[i] = int32_t(load_length(lens, i) + offset);
+    for (int64_t i = 0; i < n; ++i) dst[i] = int32_t(cpu::load_index(lens, i) + offset);
     return;
   }
 #if defined(MLA_WITH_CUDA)
@@ -220,7 +215,7 @@ void prefix_sum_int32(const TensorView& lens, const TensorView& cu, Stream strea
     int64_t sum = 0;
     dst[0] = 0;
     for (int64_t i = 0; i < n; ++i) {
-      sum += load_length(lens, i);
+      sum += cpu::load_index(lens, i);
       dst[i + 1] = int32_t(sum);
     }
     return;

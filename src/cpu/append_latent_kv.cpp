@@ -1,18 +1,10 @@
 // CPU append_latent_kv: copies each token's latent (k_nope | k_pe) into its slot of the paged
 // pool, converting to the cache dtype (fp8: quantised with k_scale, saturating).
 #include "cpu/cpu_ops.hpp"
+#include "cpu/load_index.hpp"
 #include "mla/error.hpp"
 
 namespace mla::cpu {
-namespace {
-
-int64_t load_index(const TensorView& t, int64_t i) {
-  const int64_t offset = i * t.stride[0];
-  return t.dtype == DType::kInt64 ? static_cast<const int64_t*>(t.data)[offset]
-                                  : static_cast<const int32_t*>(t.data)[offset];
-}
-
-}  // namespace
 
 void append_latent_kv(const AppendLatentKvArgs& args) {
   const TensorView& cache = args.kv_cache;

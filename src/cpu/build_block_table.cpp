@@ -1,18 +1,10 @@
 // CPU build_block_table: block_table[b, j] = req_to_token[req_pool_indices[b], j * S] / S for the
 // pages a request uses, -1 for the rest of the row.
 #include "cpu/cpu_ops.hpp"
+#include "cpu/load_index.hpp"
 #include "mla/error.hpp"
 
 namespace mla::cpu {
-namespace {
-
-int64_t load_index(const TensorView& t, int64_t i) {
-  const int64_t offset = i * t.stride[0];
-  return t.dtype == DType::kInt64 ? static_cast<const int64_t*>(t.data)[offset]
-                                  : static_cast<const int32_t*>(t.data)[offset];
-}
-
-}  // namespace
 
 void build_block_table(const BuildBlockTableArgs& args) {
   constexpr const char* op = "build_block_table";

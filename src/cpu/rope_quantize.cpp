@@ -1,6 +1,7 @@
 // CPU rope_quantize: rotary embedding of q_pe / k_pe, the 576-wide query q_nope | rope(q_pe), and
 // the key outputs, each converted to its output dtype (fp8: divided by its scale, saturating).
 #include "cpu/cpu_ops.hpp"
+#include "cpu/load_index.hpp"
 #include "cpu/parallel.hpp"
 #include "mla/error.hpp"
 
@@ -8,12 +9,6 @@ namespace mla::cpu {
 namespace {
 
 constexpr int kHalfRope = kRopeDim / 2;  // 32 angles per position
-
-int64_t load_index(const TensorView& t, int64_t i) {
-  const int64_t offset = i * t.stride[0];
-  return t.dtype == DType::kInt64 ? static_cast<const int64_t*>(t.data)[offset]
-                                  : static_cast<const int32_t*>(t.data)[offset];
-}
 
 // Converts `width` values starting at element src_offset of src into dst at dst_offset; an fp8
 // destination stores value / scale.
