@@ -39,35 +39,28 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream) {
   check::dtype_in(op, "q_out", args.q_out, output_dtypes);
   check::inner_contiguous(op, "q_out", args.q_out);
 
-  // Keys: all four k tensors are given together, or none of them.
+  // Keys: all four k tensors are given together, or none of them. Each is [T, width], T as
+  // q_nope, of one of `dtypes`, with a contiguous last dim.
+  const auto check_key_tensor = [&](const char* name, const TensorView& t, int64_t width,
+                                    const char* width_what, std::initializer_list<DType> dtypes) {
+    check::ndim(op, name, t, 2);
+    check::dim(op, name, t, 0, num_tokens, "tokens, as q_nope");
+    check::dim(op, name, t, 1, width, width_what);
+    if (dtypes.size() == 1)
+      check::dtype(op, name, t, *dtypes.begin());
+    else
+      check::dtype_in(op, name, t, dtypes);
+    check::inner_contiguous(op, name, t);
+  };
   const bool with_k = !args.k_nope.empty();
   if (with_k) {
-    check::ndim(op, "k_nope", args.k_nope, 2);
-    check::dim(op, "k_nope", args.k_nope, 0, num_tokens, "tokens, as q_nope");
-    check::dim(op, "k_nope", args.k_nope, 1, kKvLoraRank, "kv_lora_rank");
-    check::dtype(op, "k_nope", args.k_nope, input_dtype);
-    check::inner_contiguous(op, "k_nope", args.k_nope);
-
+    check_key_tensor("k_nope", args.k_nope, kKvLoraRank, "kv_lora_rank", {input_dtype});
     MLA_CHECK(!args.k_pe.empty(), op, ": k_pe is required when k_nope is given");
-    check::ndim(op, "k_pe", args.k_pe, 2);
-    check::dim(op, "k_pe", args.k_pe, 0, num_tokens, "tokens, as q_nope");
-    check::dim(op, "k_pe", args.k_pe, 1, kRopeDim, "rope dim");
-    check::dtype(op, "k_pe", args.k_pe, input_dtype);
-    check::inner_contiguous(op, "k_pe", args.k_pe);
-
+    check_key_tensor("k_pe", args.k_pe, kRopeDim, "rope dim", {input_dtype});
     MLA_CHECK(!args.k_nope_out.empty(), op, ": k_nope_out is required when k_nope is given");
-    check::ndim(op, "k_nope_out", args.k_nope_out, 2);
-    check::dim(op, "k_nope_out", args.k_nope_out, 0, num_tokens, "tokens, as q_nope");
-    check::dim(op, "k_nope_out", args.k_nope_out, 1, kKvLoraRank, "kv_lora_rank");
-    check::dtype_in(op, "k_nope_out", args.k_nope_out, output_dtypes);
-    check::inner_contiguous(op, "k_nope_out", args.k_nope_out);
-
+    check_key_tensor("k_nope_out", args.k_nope_out, kKvLoraRank, "kv_lora_rank", output_dtypes);
     MLA_CHECK(!args.k_pe_out.empty(), op, ": k_pe_out is required when k_nope is given");
-    check::ndim(op, "k_pe_out", args.k_pe_out, 2);
-    check::dim(op, "k_pe_out", args.k_pe_out, 0, num_tokens, "tokens, as q_nope");
-    check::dim(op, "k_pe_out", args.k_pe_out, 1, kRopeDim, "rope dim");
-    check::dtype(op, "k_pe_out", args.k_pe_out, args.k_nope_out.dtype);
-    check::inner_contiguous(op, "k_pe_out", args.k_pe_out);
+    check_key_tensor("k_pe_out", args.k_pe_out, kRopeDim, "rope dim", {args.k_nope_out.dtype});
   } else {
     MLA_CHECK(args.k_pe.empty(), op, ": k_pe is given but k_nope is not (give both or neither)");
     MLA_CHECK(args.k_nope_out.empty(), op,
