@@ -14,7 +14,8 @@ _loaded_path: str | None = None
 
 def _candidates() -> list[Path]:
     """Where the library may be, in order: $MLA_TORCH_LIBRARY, next to this package, and the
-    repository's build folders (build-py*/) for an in-tree build."""
+    repository's build folders (build-py*/) for an in-tree build, the most recently built
+    first (so that a stale or CPU-only build-py/ does not shadow a fresh build elsewhere)."""
     found: list[Path] = []
     env = os.environ.get("MLA_TORCH_LIBRARY")
     if env:
@@ -22,8 +23,16 @@ def _candidates() -> list[Path]:
     here = Path(__file__).resolve().parent
     found.append(here / _LIB_NAME)
     repo_root = here.parent.parent
-    found += sorted(Path(p) for p in glob.glob(str(repo_root / "build-py*" / _LIB_NAME)))
+    builds = [Path(p) for p in glob.glob(str(repo_root / "build-py*" / _LIB_NAME))]
+    found += sorted(builds, key=lambda p: (-_mtime(p), str(p)))
     return found
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed since the glob
+        return 0.0
 
 
 def load_library() -> str:

@@ -6,6 +6,7 @@ a GPU is present and the extension has the CUDA kernels (else that case is skipp
 
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -55,6 +56,8 @@ def gen():
 
 
 def pytest_report_header(config):
-    return [f"mla_torch: {mla_torch.load_library()} (kernels: "
+    path = mla_torch.load_library()
+    built = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(path)))
+    return [f"mla_torch: {path} (built {built}, kernels: "
             f"{torch.ops.mla.build_info()}), torch {torch.__version__}, "
             f"cuda available: {torch.cuda.is_available()}"]
