@@ -7,6 +7,8 @@ same rounded inputs the op sees:
   fp16 outputs: atol 2e-3, rtol 2e-3;  fp32 outputs: atol 2e-4, rtol 2e-4
   LSE (fp32):   atol 2e-3, rtol 1e-4 (scores from bf16/fp16 products, fp32 accumulation)
   fp8 outputs are compared dequantised with rtol 1/8 (e4m3 has a 3-bit mantissa).
+The CUDA mla_decode rounds the softmax weights P to its 16-bit compute dtype before P·V (see
+src/cuda/decode/decode_kernel.cuh), so on CUDA an fp32 output is only as close as a bf16 one.
 """
 
 import math
@@ -198,7 +200,9 @@ def test_mla_decode_fp32_output_and_strided(device, gen):
     out = out_big[:, :, :NOPE]
     _call(ops.mla_decode, paged.cache, paged.block_table, paged.kv_lens, 0.1, q=q, out=out)
     out_ref, _ = ref_mla_decode(q, paged, [1, 1], 0.1)
-    assert_close(out, out_ref, *TOL[torch.float32], "out")
+    # CUDA: weights rounded to bf16 (errors up to ~3e-3 here); the CPU computes in fp32.
+    tol = TOL[torch.bfloat16] if device.type == "cuda" else TOL[torch.float32]
+    assert_close(out, out_ref, *tol, "out")
     assert torch.isnan(out_big[:, :, NOPE:]).all(), "wrote outside the output view"
 
 
