@@ -321,18 +321,22 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
                 int64_t workspace_max_batch, int64_t workspace_max_q_len) {
   constexpr const char* op = "mla_decode";
   const bool has_q = q.has_value() && q->defined();
-  const bool has_split = (q_nope.has_value() && q_nope->defined()) ||
-                         (q_pe.has_value() && q_pe->defined());
+  const bool has_nope = q_nope.has_value() && q_nope->defined();
+  const bool has_pe = q_pe.has_value() && q_pe->defined();
+  const bool has_split = has_nope || has_pe;
   if (has_q == has_split)
     fail(op, "give either q [T, H, 576] or both q_nope [T, H, 512] and q_pe [T, H, 64], not ",
          has_q ? "both forms" : "neither");
+  if (has_split && !(has_nope && has_pe))
+    fail(op, "q_nope [T, H, 512] and q_pe [T, H, 64] go together, but ",
+         has_nope ? "q_pe" : "q_nope", " was not given");
   Binder bind(op);
   mla::MlaDecodeArgs args;
   if (has_q) {
     args.q = bind(q, {"q", "[T, H, 576]", {-1, -1, mla::kLatentDim}, kQueryDtypes});
   } else {
-    args.q_nope = bind(*q_nope, {"q_nope", "[T, H, 512]", {-1, -1, mla::kKvLoraRank}, kQueryDtypes});
-    args.q_pe = bind(*q_pe, {"q_pe", "[T, H, 64]", {-1, -1, mla::kRopeDim}, kQueryDtypes});
+    args.q_nope = bind(q_nope, {"q_nope", "[T, H, 512]", {-1, -1, mla::kKvLoraRank}, kQueryDtypes});
+    args.q_pe = bind(q_pe, {"q_pe", "[T, H, 64]", {-1, -1, mla::kRopeDim}, kQueryDtypes});
   }
   args.kv_cache = bind(kv_cache, {"kv_cache", "[P, S, 576]", {-1, -1, mla::kLatentDim},
                                   kCacheDtypes, Layout::kContiguous});

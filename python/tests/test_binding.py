@@ -67,6 +67,11 @@ def test_decode_arguments_valid(gen):
     (dict(lse=lambda a: a["lse"].half()), [r"lse must be float32"]),
     (dict(q=lambda a: None), [r"give either q \[T, H, 576\] or both q_nope .* not neither"]),
     (dict(q_nope=lambda a: a["q"][..., :NOPE]), [r"not both forms"]),
+    (dict(q_nope=lambda a: a["q"][..., :NOPE], q=lambda a: None),  # q last: the others read it
+     [r"^mla\.mla_decode: q_nope \[T, H, 512\] and q_pe \[T, H, 64\] go together, but q_pe was "
+      r"not given"]),
+    (dict(q_pe=lambda a: a["q"][..., NOPE:], q=lambda a: None),
+     [r"go together, but q_nope was not given"]),
     (dict(block_table=lambda a: a["block_table"].to("meta")),
      [r"block_table is on meta but q is on cpu; all tensors must be on one device"]),
 ])
