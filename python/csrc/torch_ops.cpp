@@ -127,6 +127,15 @@ mla::DType to_mla_dtype(ScalarType dtype) {
   }
 }
 
+// A raw byte buffer (the split-KV workspace): the library takes it as pointer and size, not as a
+// TensorView (mla::DType has no byte type).
+struct ByteBuffer {
+  bool given = false;
+  void* data = nullptr;
+  int64_t bytes = 0;
+  c10::Device device{c10::kCPU};
+};
+
 // Collects the views of one op call, checking each tensor against its spec and all of them for
 // one common device.
 class Binder {
@@ -141,6 +150,17 @@ class Binder {
   mla::TensorView operator()(const OptTensor& t, const Spec& spec) {
     if (!t.has_value() || !t->defined()) return mla::TensorView{};
     return (*this)(*t, spec);
+  }
+  // An optional byte buffer, checked like the tensors (its spec should ask for uint8).
+  ByteBuffer bytes(const OptTensor& t, const Spec& spec) {
+    ByteBuffer b;
+    if (!t.has_value() || !t->defined()) return b;
+    check(*t, spec);
+    b.given = true;
+    b.bytes = t->numel() * int64_t(t->element_size());
+    b.device = t->device();
+    if (!b.device.is_meta()) b.data = t->data_ptr();
+    return b;
   }
 
   // True for fake/meta tensors: checks only, nothing to run.
@@ -290,7 +310,7 @@ void rope_quantize(const at::Tensor& q_nope, const at::Tensor& q_pe, const OptTe
 // make_decode_schedule is a pure function of the workspace and the capacity (and the device),
 // but it asks the CUDA runtime about the pointer; a small cache keeps those calls out of CUDA
 // graph captures (the eager warm-up before a capture fills it).
-mla::DecodeSchedule cached_schedule(const mla::TensorView& ws, int max_batch, int max_q_len,
+mla::DecodeSchedule cached_schedule(const ByteBuffer& ws, int max_batch, int max_q_len,
                                     int num_heads) {
   struct Entry {
     void* data;
@@ -302,14 +322,14 @@ mla::DecodeSchedule cached_schedule(const mla::TensorView& ws, int max_batch, in
   static std::vector<Entry> cache;
   const std::lock_guard<std::mutex> lock(mutex);
   for (const Entry& e : cache) {
-    if (e.data == ws.data && e.bytes == ws.numel() && e.max_batch == max_batch &&
-        e.max_q_len == max_q_len && e.num_heads == num_heads && e.device == ws.device.index)
+    if (e.data == ws.data && e.bytes == ws.bytes && e.max_batch == max_batch &&
+        e.max_q_len == max_q_len && e.num_heads == num_heads && e.device == ws.device.index())
       return e.schedule;
   }
   mla::DecodeSchedule schedule =
-      mla::make_decode_schedule(ws.data, size_t(ws.numel()), max_batch, max_q_len, num_heads);
+      mla::make_decode_schedule(ws.data, size_t(ws.bytes), max_batch, max_q_len, num_heads);
   if (cache.size() >= 64) cache.erase(cache.begin());
-  cache.push_back({ws.data, ws.numel(), max_batch, max_q_len, num_heads, ws.device.index, schedule});
+  cache.push_back({ws.data, ws.bytes, max_batch, max_q_len, num_heads, ws.device.index(), schedule});
   return schedule;
 }
 
@@ -351,13 +371,13 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
   args.out = bind(out, {"out", "[T, H, 512]", {-1, -1, mla::kKvLoraRank}, kActDtypes,
                         Layout::kInnerContiguous, true});
   args.lse = bind(lse, {"lse", "[T, H]", {-1, -1}, kFloat32, Layout::kInnerContiguous, true});
-  const mla::TensorView ws = bind(workspace, {"workspace", "[bytes]", {-1}, {ScalarType::Byte},
-                                              Layout::kContiguous, true});
+  const ByteBuffer ws = bind.bytes(workspace, {"workspace", "[bytes]", {-1}, {ScalarType::Byte},
+                                               Layout::kContiguous, true});
   run(bind, [&](mla::Stream s) {
     // With a workspace on the GPU: plan the split-KV schedule for exactly this batch, then
     // decode with it (both on the stream, no host sync). The CPU ignores the workspace.
     mla::DecodeSchedule schedule;
-    if (!ws.empty() && ws.device.type == mla::DeviceType::kCUDA) {
+    if (ws.given && ws.device.is_cuda()) {
       const mla::TensorView& ref = args.q.empty() ? args.q_nope : args.q;
       schedule = cached_schedule(ws, to_int(op, "workspace_max_batch", workspace_max_batch),
                                  to_int(op, "workspace_max_q_len", workspace_max_q_len),

@@ -82,6 +82,36 @@ def test_decode_argument_errors(gen, change, patterns):
     expect_error(lambda: call_decode(**args), *patterns)
 
 
+def test_decode_workspace_checked_then_ignored_on_cpu(gen):
+    """The split-KV workspace (a uint8 byte buffer) goes through the binding like on CUDA: it is
+    checked, then the CPU ignores it (same result as without)."""
+    args = decode_args(gen)
+    call_decode(**args)
+    expected = args["out"].clone(), args["lse"].clone()
+
+    def call(workspace, max_batch=4, max_q_len=1):
+        mla.mla_decode(args["q"], None, None, args["kv_cache"], args["block_table"],
+                       args["kv_lens"], None, 1, 1, 0.1, 1.0, 1.0, args["out"], args["lse"],
+                       workspace, max_batch, max_q_len)
+
+    args["out"].fill_(float("nan"))
+    args["lse"].fill_(float("nan"))
+    call(torch.zeros(4096, dtype=torch.uint8))
+    assert torch.equal(args["out"], expected[0]) and torch.equal(args["lse"], expected[1])
+    ops.mla_decode(args["kv_cache"], args["block_table"], args["kv_lens"], 0.1, q=args["q"],
+                   out=args["out"], workspace=torch.zeros(64, dtype=torch.uint8),
+                   workspace_max_batch=2, workspace_max_q_len=1)
+    expect_error(lambda: call(torch.zeros(4096, dtype=torch.int8)),
+                 r"^mla\.mla_decode: workspace must be uint8, got shape \[4096\], strides \[1\], "
+                 r"int8 on cpu")
+    expect_error(lambda: call(torch.zeros(4096, dtype=torch.uint8)[::2]),
+                 r"^mla\.mla_decode: workspace must be contiguous")
+    expect_error(lambda: call(torch.zeros(64, 64, dtype=torch.uint8)),
+                 r"^mla\.mla_decode: workspace must have 1 dims \[bytes\]")
+    expect_error(lambda: call(torch.zeros(4096, dtype=torch.uint8, device="meta")),
+                 r"workspace is on meta but q is on cpu")
+
+
 def test_library_errors_surface_intact(gen):
     """Checks only the library can make (relations between tensors, values) come through with
     the library's message and its source location."""
