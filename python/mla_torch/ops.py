@@ -116,13 +116,17 @@ def decode_workspace_bytes(max_batch: int, max_q_len: int, num_heads: int) -> in
 
 class DecodeWorkspace:
     """A zero-initialised split-KV workspace for mla_decode on one CUDA device, with its
-    capacity. grow() reallocates for a larger batch (never while a CUDA graph is captured)."""
+    capacity. grow() allocates a larger buffer for a larger batch (never while a CUDA graph is
+    captured). The buffers it replaces stay allocated as long as the workspace lives: a CUDA
+    graph captured earlier keeps planning into and reading from the buffer it was captured
+    with."""
 
     def __init__(self, max_batch: int, max_q_len: int, num_heads: int, device):
         self.num_heads = num_heads
         self.device = torch.device(device)
         self.max_batch = self.max_q_len = 0
         self.buffer: Optional[Tensor] = None
+        self._replaced: list = []
         self.grow(max_batch, max_q_len)
 
     def grow(self, max_batch: int, max_q_len: int) -> None:
@@ -132,6 +136,8 @@ class DecodeWorkspace:
         self.max_q_len = max(max_q_len, self.max_q_len, 1)
         with torch.cuda.device(self.device):
             nbytes = decode_workspace_bytes(self.max_batch, self.max_q_len, self.num_heads)
+        if self.buffer is not None:
+            self._replaced.append(self.buffer)
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
     def kwargs(self) -> dict:
