@@ -309,7 +309,9 @@ void rope_quantize(const at::Tensor& q_nope, const at::Tensor& q_pe, const OptTe
 
 // make_decode_schedule is a pure function of the workspace and the capacity (and the device),
 // but it asks the CUDA runtime about the pointer; a small cache keeps those calls out of CUDA
-// graph captures (the eager warm-up before a capture fills it).
+// graph captures (the eager warm-up before a capture fills it). Least recently used entries go
+// first, so a workspace in steady use stays. An entry may outlive its buffer: a new buffer at
+// the same address with the same size and capacity has the same schedule.
 mla::DecodeSchedule cached_schedule(const ByteBuffer& ws, int max_batch, int max_q_len,
                                     int num_heads) {
   struct Entry {
@@ -321,10 +323,13 @@ mla::DecodeSchedule cached_schedule(const ByteBuffer& ws, int max_batch, int max
   static std::mutex mutex;
   static std::vector<Entry> cache;
   const std::lock_guard<std::mutex> lock(mutex);
-  for (const Entry& e : cache) {
-    if (e.data == ws.data && e.bytes == ws.bytes && e.max_batch == max_batch &&
-        e.max_q_len == max_q_len && e.num_heads == num_heads && e.device == ws.device.index())
-      return e.schedule;
+  for (auto it = cache.begin(); it != cache.end(); ++it) {
+    if (it->data == ws.data && it->bytes == ws.bytes && it->max_batch == max_batch &&
+        it->max_q_len == max_q_len && it->num_heads == num_heads &&
+        it->device == ws.device.index()) {
+      std::rotate(it, it + 1, cache.end());  // most recently used last
+      return cache.back().schedule;
+    }
   }
   mla::DecodeSchedule schedule =
       mla::make_decode_schedule(ws.data, size_t(ws.bytes), max_batch, max_q_len, num_heads);
