@@ -21,23 +21,12 @@ std::string_view dtype_name(DType dtype);
 size_t dtype_size(DType dtype);
 bool is_float_dtype(DType dtype);
 
-// Storage types: plain bit containers with no arithmetic, so that host code never does math in
-// reduced precision by accident.
-struct bf16_t { uint16_t bits; };
-struct fp16_t { uint16_t bits; };
-struct fp8e4m3_t { uint8_t bits; };
-
 float bf16_to_float(uint16_t bits);
 uint16_t float_to_bf16(float value);
 float fp16_to_float(uint16_t bits);
 uint16_t float_to_fp16(float value);
 float fp8e4m3_to_float(uint8_t bits);
 uint8_t float_to_fp8e4m3(float value);  // saturating to ±448
-
-inline float to_float(bf16_t v) { return bf16_to_float(v.bits); }
-inline float to_float(fp16_t v) { return fp16_to_float(v.bits); }
-inline float to_float(fp8e4m3_t v) { return fp8e4m3_to_float(v.bits); }
-inline float to_float(float v) { return v; }
 
 // Reads element `index` of a buffer of `dtype` as float (float dtypes only).
 float load_as_float(const void* data, DType dtype, int64_t index);
