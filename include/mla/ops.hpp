@@ -99,6 +99,14 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
 //    Queries come either as one [T, H, 576] tensor `q`, or as q_nope [T, H, 512] and q_pe
 //    [T, H, 64] (no concatenation copy). Query, output and LSE may have any strides on the token
 //    and head dims; the last dim must be contiguous.
+// The GPU decode kernel. kAuto runs the Hopper kernel (wgmma + TMA, warp-specialised) where it
+// applies: an sm_90 device, a build with sm_90a, a bf16 or fp16 query and cache of one dtype, a
+// page size >= 16 and 16-byte aligned query rows; anything else runs the portable mma.sync kernel
+// (sm_80 and newer). kPortable always runs the portable kernel; kHopper runs the Hopper kernel or
+// throws mla::Error saying which condition fails. Both give the same results up to fp32 rounding
+// order. Ignored on the CPU.
+enum class DecodeKernel { kAuto, kPortable, kHopper };
+
 struct MlaDecodeArgs {
   TensorView q;            // [T, H, 576] bf16/fp16/fp8e4m3, or empty when q_nope/q_pe are given
   TensorView q_nope;       // [T, H, 512]
@@ -117,8 +125,12 @@ struct MlaDecodeArgs {
   // GPU only: scratch for split-KV partial results and the schedule, from a DecodePlan (see
   // mla/plan.hpp). Ignored on the CPU. When null on the GPU, the kernel runs without splitting.
   const DecodeSchedule* schedule = nullptr;
+  DecodeKernel kernel = DecodeKernel::kAuto;  // GPU only
 };
 void mla_decode(const MlaDecodeArgs& args, Stream stream = nullptr);
+// The kernel mla_decode runs for these arguments: "cpu", "sm80-mma" (portable) or "sm90-wgmma"
+// (Hopper). Throws as mla_decode would when args.kernel asks for a kernel that does not apply.
+const char* mla_decode_kernel_name(const MlaDecodeArgs& args);
 
 // ---------------------------------------------------------------------------------------------
 // 5. mha_prefill: ragged non-absorbed attention (per head, 192-wide q/k, 128-wide v).

@@ -10,6 +10,7 @@ void append_latent_kv(const AppendLatentKvArgs& args, Stream stream);
 void build_block_table(const BuildBlockTableArgs& args, Stream stream);
 void rope_quantize(const RopeQuantizeArgs& args, Stream stream);
 void mla_decode(const MlaDecodeArgs& args, Stream stream);
+const char* mla_decode_kernel_name(const MlaDecodeArgs& args);
 void mha_prefill(const MhaPrefillArgs& args, Stream stream);
 void merge_states(const MergeStatesArgs& args, Stream stream);
 }  // namespace mla::cuda

@@ -121,4 +121,14 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   (void)stream;
 }
 
+const char* mla_decode_kernel_name(const MlaDecodeArgs& args) {
+  const TensorView& q = args.q.empty() ? args.q_nope : args.q;
+  if (q.device.type == DeviceType::kCPU) return "cpu";
+#if defined(MLA_WITH_CUDA)
+  return cuda::mla_decode_kernel_name(args);
+#else
+  MLA_FAIL("mla_decode: this build of mla has no CUDA support, got ", device_name(q.device));
+#endif
+}
+
 }  // namespace mla

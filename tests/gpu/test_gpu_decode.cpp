@@ -105,6 +105,7 @@ struct DecodeCase {
   float q_range = 2.0f;
   int extra_pages = 3;         // pages no request uses
   uint64_t seed = 1;
+  DecodeKernel kernel = DecodeKernel::kAuto;
 
   int batch() const { return int(kv_lens.size()); }
   int num_tokens() const { return std::accumulate(q_lens.begin(), q_lens.end(), 0); }
@@ -328,6 +329,7 @@ MlaDecodeArgs make_args(const DecodeData& d, Device dev, void* q, void* q_pe, vo
   a.softmax_scale = c.softmax_scale;
   a.q_scale = c.q_scale;
   a.k_scale = c.k_scale;
+  a.kernel = c.kernel;
   a.out = TensorView::strided(out, c.out_dtype, {d.T, d.H, kVDim}, {d.out_stride_t, d.out_stride_h, 1}, dev);
   if (c.with_lse)
     a.lse = TensorView::strided(lse, DType::kFP32, {d.T, d.H}, {d.lse_stride_t, d.lse_stride_h}, dev);
@@ -410,6 +412,8 @@ std::string describe(const DecodeCase& c) {
      << dtype_name(c.kv_dtype) << ", out " << dtype_name(c.out_dtype) << " pad " << c.out_pad
      << (c.use_cu_q_lens ? ", cu_q_lens" : ", fixed q_len") << " max_q_len " << c.max_q_len()
      << (c.use_schedule ? ", schedule parts " + std::to_string(c.num_parts) : ", no schedule")
+     << (c.kernel == DecodeKernel::kPortable ? ", portable kernel"
+         : c.kernel == DecodeKernel::kHopper ? ", Hopper kernel" : ", kernel auto")
      << ", kv_lens {";
   for (size_t i = 0; i < c.kv_lens.size() && i < 12; ++i) os << (i ? "," : "") << c.kv_lens[i];
   if (c.kv_lens.size() > 12) os << ",...";
@@ -417,16 +421,47 @@ std::string describe(const DecodeCase& c) {
   return os.str();
 }
 
-// Runs a case against the reference; with `both_modes`, with and without a schedule.
+// Runs a case against the reference; with `both_modes`, with and without a schedule. A case left
+// at DecodeKernel::kAuto runs twice: with the kernel mla_decode picks (the Hopper kernel on sm_90
+// where it applies) and with the portable kernel forced.
 void check_case(DecodeCase c, bool both_modes = false) {
   const DecodeData d = make_data(c);
   const Reference ref = reference(d);
-  for (int mode = 0; mode < (both_modes ? 2 : 1); ++mode) {
-    DecodeData dm = d;
-    if (both_modes) dm.c.use_schedule = mode == 1;
-    SCOPED_TRACE(describe(dm.c));
-    expect_matches(dm, run_gpu(dm), ref);
+  std::vector<DecodeKernel> kernels = {c.kernel};
+  if (c.kernel == DecodeKernel::kAuto) kernels.push_back(DecodeKernel::kPortable);
+  for (const DecodeKernel kernel : kernels) {
+    for (int mode = 0; mode < (both_modes ? 2 : 1); ++mode) {
+      DecodeData dm = d;
+      dm.c.kernel = kernel;
+      if (both_modes) dm.c.use_schedule = mode == 1;
+      SCOPED_TRACE(describe(dm.c));
+      expect_matches(dm, run_gpu(dm), ref);
+    }
   }
+}
+
+// Whether this build and device run the Hopper kernel (sm_90 and a build with it); when so,
+// the Hopper tests force it (DecodeKernel::kHopper), so that a silent fallback cannot pass them.
+bool hopper_expected() {
+#if defined(MLA_TEST_EXPECT_HOPPER)
+  cudaDeviceProp props{};
+  int device = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaGetDeviceProperties(&props, device) == cudaSuccess && props.major == 9;
+#else
+  return false;
+#endif
+}
+#define MLA_REQUIRE_HOPPER()                                                                    \
+  do {                                                                                          \
+    MLA_REQUIRE_GPU();                                                                          \
+    if (!hopper_expected()) GTEST_SKIP() << "needs an sm_90 GPU and a build with the Hopper kernel"; \
+  } while (0)
+
+DecodeCase hopper_case(int num_heads, int page_size, std::vector<int> kv_lens, int q_len = 1) {
+  DecodeCase c = fixed(num_heads, page_size, std::move(kv_lens), q_len);
+  c.kernel = DecodeKernel::kHopper;
+  return c;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -700,6 +735,84 @@ TEST(GpuDecode, OneScheduleServesSuccessiveBatches) {
 // replayed after new kv_lens, cu_q_lens, block tables, queries and cache contents were written
 // into the same device buffers. Replays must equal eager runs bit for bit and the reference.
 
+// ---- the Hopper kernel's pipeline edges (forced with DecodeKernel::kHopper) ------------------
+
+TEST(GpuDecodeHopper, KvLengthsAroundTilesAndPages) {
+  MLA_REQUIRE_HOPPER();
+  const std::vector<int> lens = {1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257};
+  for (int page : {16, 32, 64, 128}) {
+    for (int h : {16, 128}) {
+      DecodeCase c = hopper_case(h, page, lens);
+      c.seed = uint64_t(20000 + 10 * page + h);
+      check_case(c, /*both_modes=*/true);
+    }
+  }
+}
+
+TEST(GpuDecodeHopper, HeadCountsAndQueryLengths) {
+  MLA_REQUIRE_HOPPER();
+  for (int h : {1, 12, 16, 24, 64, 96, 128}) {
+    for (int q_len : {1, 2, 3, 8}) {
+      if (h * q_len > 512) continue;
+      DecodeCase c = hopper_case(h, 64, {0, 1, 2, 70, 700, 2049}, q_len);
+      c.seed = uint64_t(21000 + 10 * h + q_len);
+      check_case(c, /*both_modes=*/true);
+    }
+  }
+  DecodeCase c;  // variable query lengths (DRAFT_EXTEND), rows of 16 to 1024 per request
+  c.num_heads = 128;
+  c.page_size = 64;
+  c.q_lens = {3, 0, 1, 8, 2, 5};
+  c.kv_lens = {10, 5, 64, 4000, 300, 129};
+  c.use_cu_q_lens = true;
+  c.kernel = DecodeKernel::kHopper;
+  c.seed = 21999;
+  check_case(c, /*both_modes=*/true);
+}
+
+TEST(GpuDecodeHopper, OneTokenOnePageAndBatches) {
+  MLA_REQUIRE_HOPPER();
+  check_case(hopper_case(128, 64, {1}), true);
+  check_case(hopper_case(16, 64, {64}), true);
+  check_case(hopper_case(16, 128, {0}), true);
+  std::mt19937 rng(22000);
+  std::vector<int> kv(256);
+  for (int& k : kv) k = int(rng() % 1500);
+  DecodeCase c = hopper_case(16, 64, kv);
+  c.seed = 22001;
+  check_case(c, true);
+  DecodeCase d = hopper_case(128, 32, std::vector<int>(kv.begin(), kv.begin() + 40), 2);
+  d.seed = 22002;
+  check_case(d, true);
+}
+
+TEST(GpuDecodeHopper, VeryLongRequests) {
+  MLA_REQUIRE_HOPPER();
+  DecodeCase c = hopper_case(16, 64, {131072});
+  c.seed = 23000;
+  check_case(c, /*both_modes=*/true);
+  DecodeCase d = hopper_case(128, 64, {32768, 3, 100000 % 4096});
+  d.seed = 23001;
+  check_case(d);
+}
+
+TEST(GpuDecodeHopper, DtypesLayoutsAndOddParts) {
+  MLA_REQUIRE_HOPPER();
+  for (DType t : {DType::kBF16, DType::kFP16}) {
+    for (DType o : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+      DecodeCase c = hopper_case(24, 64, {77, 130, 1, 640});
+      c.q_dtype = c.kv_dtype = t;
+      c.out_dtype = o;
+      c.split_q = o == DType::kFP16;
+      c.q_pad = 8;
+      c.out_pad = o == DType::kFP32 ? 3 : 0;
+      c.num_parts = 7;
+      c.seed = uint64_t(24000 + int(t) * 10 + int(o));
+      check_case(c, /*both_modes=*/true);
+    }
+  }
+}
+
 TEST(GpuDecodeGraph, CaptureAndReplayWithNewLengths) {
   MLA_REQUIRE_GPU();
   constexpr int kMaxBatch = 16, kHeads = 16, kPageSize = 32, kMaxBlocks = 64, kMaxQLen = 4;
@@ -854,6 +967,40 @@ TEST(GpuDecodeErrors, ScheduleArguments) {
   EXPECT_TRUE(throws_error([&] { plan_decode(s, kv_f, TensorView{}, 1, 0); }, {"plan_decode", "kv_lens"}));
   EXPECT_TRUE(throws_error([&] { plan_decode(DecodeSchedule{}, kv3, TensorView{}, 1, 0); },
                            {"plan_decode", "workspace"}));
+}
+
+TEST(GpuDecodeErrors, HopperKernelMustApply) {
+  MLA_REQUIRE_GPU();
+  DecodeCase c = fixed(16, 8, {5, 9});  // page size 8: below what the Hopper kernel takes
+  c.kernel = DecodeKernel::kHopper;
+  const DecodeData d = make_data(c);
+  DeviceData dev(d);
+  MlaDecodeArgs a = dev.args(d);
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"mla_decode", "DecodeKernel::kHopper"}));
+  EXPECT_TRUE(throws_error([&] { mla_decode_kernel_name(a); }, {"DecodeKernel::kHopper"}));
+  if (hopper_expected()) {
+    EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"page size 8 is below 16"}));
+  }
+  a.kernel = DecodeKernel::kAuto;  // falls back to the portable kernel
+  EXPECT_STREQ(mla_decode_kernel_name(a), "sm80-mma");
+  a.kernel = DecodeKernel::kPortable;
+  EXPECT_STREQ(mla_decode_kernel_name(a), "sm80-mma");
+
+  DecodeCase f = fixed(16, 64, {5, 9});
+  f.kv_dtype = f.q_dtype = DType::kFP8E4M3;
+  f.kernel = DecodeKernel::kHopper;
+  const DecodeData fd = make_data(f);
+  DeviceData fdev(fd);
+  MlaDecodeArgs fa = fdev.args(fd);
+  EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"DecodeKernel::kHopper"}));
+  if (hopper_expected()) {
+    EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"kv_cache is fp8e4m3", "not bf16 or fp16"}));
+    DecodeCase b = fixed(16, 64, {5, 9});
+    const DecodeData bd = make_data(b);
+    DeviceData bdev(bd);
+    EXPECT_STREQ(mla_decode_kernel_name(bdev.args(bd)), "sm90-wgmma");
+  }
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
 }
 
 TEST(GpuDecodeErrors, ScheduleMustFitTheCall) {

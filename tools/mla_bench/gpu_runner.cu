@@ -253,7 +253,16 @@ class GpuRunner final : public Runner {
     const TensorView kv_lens_view =
         TensorView::contiguous(kv_lens.get(), DType::kInt32, {c.batch}, Device::cuda(device_));
     plan_decode(schedule, kv_lens_view, TensorView{}, c.q_len, c.q_len, stream_);
-    for (const DecodeSchedule* sched : {&schedule, static_cast<const DecodeSchedule*>(nullptr)}) {
+    // Kernels: the portable one, then the one mla_decode picks (the Hopper kernel where it
+    // applies), each with the schedule; then the picked one without a schedule.
+    struct Variant {
+      const DecodeSchedule* schedule;
+      DecodeKernel kernel;
+    };
+    std::vector<std::string> seen;
+    for (const Variant v : {Variant{&schedule, DecodeKernel::kPortable},
+                            Variant{&schedule, DecodeKernel::kAuto},
+                            Variant{nullptr, DecodeKernel::kAuto}}) {
       const DeviceMemory out = nan_output(out_bytes);
       DecodeBuffers buffers;
       buffers.q = q.get();
@@ -262,9 +271,12 @@ class GpuRunner final : public Runner {
       buffers.kv_lens = kv_lens.get();
       buffers.out = out.get();
       MlaDecodeArgs args = decode_args(p, buffers, Device::cuda(device_));
-      args.schedule = sched;
+      args.schedule = v.schedule;
+      args.kernel = v.kernel;
       Measurement m;
-      m.kernel = sched ? "mla-cuda" : "mla-cuda-unsplit";
+      m.kernel = std::string("mla-") + mla_decode_kernel_name(args) + (v.schedule ? "" : "-unsplit");
+      if (std::find(seen.begin(), seen.end(), m.kernel) != seen.end()) continue;
+      seen.push_back(m.kernel);
       m.time_us = time_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
       m.out = download(out, p.out_dtype, out_shape);
       results.push_back(std::move(m));

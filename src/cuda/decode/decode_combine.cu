@@ -5,7 +5,7 @@
 // piece k's normalised output (already scaled by k_scale). Pieces whose rows saw no key have
 // lse_k = -inf and weigh nothing; a row with no key in any piece gets out 0 and lse -inf.
 //
-// Grid: (num_parts, ceil(block_m / 2)): x = split unit (CTAs past the planned count exit at once,
+// Grid: (num_parts, ceil(block_m / 2)): x = split unit x lane (CTAs past the planned count exit at once,
 // so the grid is fixed and graph-capturable), y = pair of rows. Each row gets 4 warps; warp j of
 // a row sums pieces j, j + 4, ... (4 pieces per step, so 16 independent 16-byte loads per lane
 // are in flight), each lane owning 16 of the 512 columns; the 4 partial sums meet in shared
@@ -78,8 +78,14 @@ __global__ void __launch_bounds__(kThreadsPerCta)
     mla_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ float4 partial[kThreadsPerCta / 32][32][4];  // per warp: its lanes' 16 columns
   const ScheduleHeader& header = *p.schedule.header;
-  if (int(blockIdx.x) >= header.num_split_units) return;
-  const SplitUnit unit = p.schedule.split_units[blockIdx.x];
+  // Job x: split unit x / lanes, row tile (lane) x % lanes, its slots offset by the lane.
+  if (int(blockIdx.x) >= header.num_split_units * header.lanes) return;
+  SplitUnit unit = p.schedule.split_units[int(blockIdx.x) / header.lanes];
+  if (header.lanes > 1) {
+    const int lane = int(blockIdx.x) % header.lanes;
+    unit.row_tile = lane;
+    unit.slot_begin += lane * header.num_slots;
+  }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row_in_cta = warp / kWarpsPerRow, j = warp % kWarpsPerRow;
   const int block_m = header.block_m;

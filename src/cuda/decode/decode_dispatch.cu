@@ -9,10 +9,14 @@
 
 #include <climits>
 #include <cstdint>
+#include <string>
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/cuda_ops.hpp"
 #include "cuda/decode/decode_launch.hpp"
+#if defined(MLA_HOPPER_DECODE)
+#include "cuda/decode/decode_hopper.hpp"
+#endif
 #include "mla/schedule.hpp"
 
 namespace mla::cuda {
@@ -32,7 +36,73 @@ void launch_for_rows(int block_m, const DecodeParams& params, int grid, cudaStre
   }
 }
 
+// The query as (nope, pe) pointers and strides, whether it is one 576-wide tensor or two.
+struct QueryParts {
+  const void* nope;
+  const void* pe;
+  int64_t nope_stride_t, nope_stride_h, pe_stride_t, pe_stride_h;
+  DType dtype;
+};
+QueryParts query_parts(const MlaDecodeArgs& args) {
+  QueryParts q{};
+  if (args.q.empty()) {
+    q = {args.q_nope.data, args.q_pe.data, args.q_nope.stride[0], args.q_nope.stride[1],
+         args.q_pe.stride[0], args.q_pe.stride[1], args.q_nope.dtype};
+  } else {
+    const void* pe = static_cast<const char*>(args.q.data) + kKvLoraRank * dtype_size(args.q.dtype);
+    q = {args.q.data, pe, args.q.stride[0], args.q.stride[1], args.q.stride[0], args.q.stride[1],
+         args.q.dtype};
+  }
+  return q;
+}
+
+// Every query row starts on a 16-byte boundary: 16-byte vector loads.
+bool query_rows_aligned(const QueryParts& q) {
+  const int64_t vec = int64_t(16 / dtype_size(q.dtype));
+  return aligned(q.nope, 16) && aligned(q.pe, 16) && q.nope_stride_t % vec == 0 &&
+         q.nope_stride_h % vec == 0 && q.pe_stride_t % vec == 0 && q.pe_stride_h % vec == 0;
+}
+
+// Why the Hopper kernel does not apply to these arguments, or "" when it does.
+std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
+#if !defined(MLA_HOPPER_DECODE)
+  (void)args;
+  (void)q;
+  return "this build has no Hopper kernel (it needs 90a in MLA_CUDA_ARCHS and the CuTe headers)";
+#else
+  const DeviceInfo& info = current_device_info();
+  if (info.cc_major != 9)
+    return "device " + std::to_string(info.device) + " is sm_" + std::to_string(info.cc_major) +
+           std::to_string(info.cc_minor) + ", not sm_90";
+  const DType kv = args.kv_cache.dtype;
+  if (kv != DType::kBF16 && kv != DType::kFP16)
+    return std::string("the kv_cache is ") + std::string(dtype_name(kv)) + ", not bf16 or fp16";
+  if (q.dtype != kv)
+    return std::string("the query (") + std::string(dtype_name(q.dtype)) + ") and kv_cache (" + std::string(dtype_name(kv)) +
+           ") dtypes differ";
+  const int64_t page_size = args.kv_cache.shape[1];
+  if (page_size < 16) return "the page size " + std::to_string(page_size) + " is below 16";
+  const int64_t rows = args.kv_cache.shape[0] * page_size;
+  if (rows < 1 || rows > INT_MAX)
+    return "the kv_cache has " + std::to_string(rows) + " token slots (needs 1 to 2^31 - 1)";
+  if (!query_rows_aligned(q)) return "the query rows are not 16-byte aligned";
+  return "";
+#endif
+}
+
+bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
+  if (args.kernel == DecodeKernel::kPortable) return false;
+  const std::string why = hopper_mismatch(args, q);
+  MLA_CHECK(args.kernel != DecodeKernel::kHopper || why.empty(),
+            "mla_decode: kernel = DecodeKernel::kHopper, but ", why);
+  return why.empty();
+}
+
 }  // namespace
+
+const char* mla_decode_kernel_name(const MlaDecodeArgs& args) {
+  return use_hopper(args, query_parts(args)) ? "sm90-wgmma" : "sm80-mma";
+}
 
 void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   constexpr const char* op = "mla_decode";
@@ -76,25 +146,16 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   if (num_tokens == 0 || batch == 0) return;
 
   DecodeParams p{};
-  const size_t q_elem = dtype_size(q_dtype);
-  if (split_q) {
-    p.q_nope = args.q_nope.data;
-    p.q_pe = args.q_pe.data;
-    p.q_nope_stride_t = args.q_nope.stride[0];
-    p.q_nope_stride_h = args.q_nope.stride[1];
-    p.q_pe_stride_t = args.q_pe.stride[0];
-    p.q_pe_stride_h = args.q_pe.stride[1];
-  } else {
-    p.q_nope = args.q.data;
-    p.q_pe = static_cast<const char*>(args.q.data) + kKvLoraRank * q_elem;
-    p.q_nope_stride_t = p.q_pe_stride_t = args.q.stride[0];
-    p.q_nope_stride_h = p.q_pe_stride_h = args.q.stride[1];
-  }
+  const QueryParts qp = query_parts(args);
+  p.q_nope = qp.nope;
+  p.q_pe = qp.pe;
+  p.q_nope_stride_t = qp.nope_stride_t;
+  p.q_nope_stride_h = qp.nope_stride_h;
+  p.q_pe_stride_t = qp.pe_stride_t;
+  p.q_pe_stride_h = qp.pe_stride_h;
   p.q_is_fp8 = q_dtype == DType::kFP8E4M3;
-  const int64_t vec = int64_t(16 / q_elem);  // elements per 16 bytes
-  p.q_vector_ok = aligned(p.q_nope, 16) && aligned(p.q_pe, 16) && p.q_nope_stride_t % vec == 0 &&
-                  p.q_nope_stride_h % vec == 0 && p.q_pe_stride_t % vec == 0 &&
-                  p.q_pe_stride_h % vec == 0;
+  p.q_vector_ok = query_rows_aligned(qp);
+  const bool hopper = use_hopper(args, qp);
 
   p.kv_cache = args.kv_cache.data;
   p.num_pages = args.kv_cache.shape[0];
@@ -173,8 +234,16 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   }
 
   const cudaStream_t cs = to_cuda(stream);
-  if (compute == DType::kBF16) launch_for_rows<__nv_bfloat16>(block_m, p, grid, cs);
-  else launch_for_rows<__half>(block_m, p, grid, cs);
+  if (hopper) {
+#if defined(MLA_HOPPER_DECODE)
+    if (compute == DType::kBF16) launch_hopper_decode_kernel<__nv_bfloat16>(p, block_m, grid, cs);
+    else launch_hopper_decode_kernel<__half>(p, block_m, grid, cs);
+#endif
+  } else if (compute == DType::kBF16) {
+    launch_for_rows<__nv_bfloat16>(block_m, p, grid, cs);
+  } else {
+    launch_for_rows<__half>(block_m, p, grid, cs);
+  }
   if (p.has_schedule) launch_combine_kernel(p, block_m, cs);
 }
 

@@ -47,6 +47,7 @@
 
 #include "cuda/common/warp_mma.cuh"
 #include "cuda/cuda_check.hpp"
+#include "cuda/decode/decode_device.cuh"
 #include "cuda/decode/decode_params.cuh"
 
 namespace mla::cuda::decode {
@@ -89,21 +90,6 @@ __device__ __forceinline__ int p_offset(int row, int chunk) {
   return (row * (kBlockN / 8) + (chunk ^ (row & 7))) * 8;
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
-  } else {
-    return __half22float2(*reinterpret_cast<__half2*>(&v));
-  }
-}
-
 // Two fp8 e4m3 values (low byte first) -> two values of T, packed. Exact: every e4m3 value is
 // representable in bf16 and in fp16.
 template <typename T>
@@ -142,55 +128,6 @@ __device__ __forceinline__ float load_scalar(const void* base, int64_t index, bo
   } else {
     return __half2float(static_cast<const __half*>(base)[index]);
   }
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
-  else return __float2half_rn(v);
-}
-
-// Writes out[col], out[col + 1] of one output row in the output dtype.
-__device__ __forceinline__ void store_out_pair(const DecodeParams& p, void* row_base, int col,
-                                               float v0, float v1) {
-  switch (p.out_dtype) {
-    case kOutBF16: {
-      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(row_base) + col;
-      if (p.out_pair_ok) {
-        *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
-      } else {
-        o[0] = __float2bfloat16_rn(v0);
-        o[1] = __float2bfloat16_rn(v1);
-      }
-      break;
-    }
-    case kOutFP16: {
-      __half* o = static_cast<__half*>(row_base) + col;
-      if (p.out_pair_ok) {
-        *reinterpret_cast<__half2*>(o) = __floats2half2_rn(v0, v1);
-      } else {
-        o[0] = __float2half_rn(v0);
-        o[1] = __float2half_rn(v1);
-      }
-      break;
-    }
-    default: {
-      float* o = static_cast<float*>(row_base) + col;
-      if (p.out_pair_ok) {
-        *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
-      } else {
-        o[0] = v0;
-        o[1] = v1;
-      }
-      break;
-    }
-  }
-}
-
-// Address of output row (token, head), as bytes.
-__device__ __forceinline__ void* out_row(const DecodeParams& p, int64_t token, int head) {
-  const int64_t elem = p.out_dtype == kOutFP32 ? 4 : 2;
-  return static_cast<char*>(p.out) + (token * p.out_stride_t + head * p.out_stride_h) * elem;
 }
 
 template <typename T, int kRowTiles>
@@ -387,15 +324,11 @@ struct DecodeCta {
 
   __device__ void run_item(const WorkItem& item) {
     const int num_heads = p.layout.num_heads;
-    const RequestGeometry g = request_geometry(p.layout, item.request);
-    const int rows = g.q_len * num_heads;
-    const int row0 = item.row_tile * kBlockM;
-    const int valid_rows = min(kBlockM, rows - row0);
-    if (valid_rows <= 0) return;  // uniform across the CTA
-    const int visible = tile_visible_keys(g, row0 + valid_rows, num_heads);
-    const int kv_end = min(item.kv_end, visible);
-    const int kv_begin = min(item.kv_begin, kv_end);
-    const int num_tiles = (kv_end - kv_begin + kBlockN - 1) / kBlockN;
+    const ItemRange range = item_range(p.layout, item, kBlockM);
+    if (range.valid_rows <= 0) return;  // uniform across the CTA
+    const RequestGeometry& g = range.g;
+    const int row0 = range.row0, valid_rows = range.valid_rows;
+    const int kv_begin = range.kv_begin, kv_end = range.kv_end, num_tiles = range.num_tiles;
 
     // This thread's two rows (accumulator rows lane/4 and lane/4 + 8 of fragment wm) and the
     // last key each may see (-1: none).
@@ -570,12 +503,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     // A plan for another batch shape would send this CTA past its work list: stop instead.
     if (header.magic != kScheduleMagic || header.block_m != Cta::kBlockM ||
         header.batch_size != p.layout.batch_size || header.num_heads != p.layout.num_heads ||
-        header.num_parts != int(gridDim.x)) {
+        header.num_parts != int(gridDim.x) || header.lanes < 1) {
       __trap();
     }
-    const int begin = p.schedule.part_begin[blockIdx.x];
-    const int end = p.schedule.part_begin[blockIdx.x + 1];
-    for (int i = begin; i < end; ++i) cta.run_item(p.schedule.items[i]);
+    int begin, end, lane;
+    cta_items(p.schedule, header, int(blockIdx.x), &begin, &end, &lane);
+    for (int i = begin; i < end; ++i) cta.run_item(lane_item(p.schedule.items[i], header, lane));
   } else {
     WorkItem item{};
     item.request = int(blockIdx.x) / p.tiles_per_request;

@@ -35,9 +35,16 @@ struct ScheduleHeader {
   int block_m;          // rows per tile the plan used
   int batch_size;       // B the plan used
   int num_heads;        // H the plan used
-  int num_parts;        // CTAs the plan divided work among
+  int num_parts;        // CTAs of the decode kernel (the grid the plan was made for)
+  int lanes;            // row tiles run side by side (see below); 1 = one unit per row tile
+  int num_slots;        // partial-result slots of lane 0 (lane r uses slot + r * num_slots)
   int pad;
 };
+// Lanes. When every request has several row tiles (more than 64 rows: 128 heads, or 16 heads with
+// q_len >= 5), the plan cuts the key ranges of whole requests among num_parts / lanes virtual
+// parts, and CTA v * lanes + r runs virtual part v's items for row tile r. The row tiles of one
+// request then read the same pages at the same time, so the second read hits L2 instead of DRAM.
+// Items and split units are stored once (row_tile 0); each kernel applies the lane.
 
 struct WorkItem {
   int request;   // b
@@ -124,6 +131,57 @@ __host__ __device__ inline int tile_visible_keys(const RequestGeometry& g, int r
   if (visible < 0) visible = 0;
   if (visible > g.kv_len) visible = g.kv_len;
   return visible;
+}
+
+// The items of this CTA (blockIdx.x) in a planned schedule: [*begin, *end) of the item array,
+// and the lane (row tile offset) it applies to each.
+__device__ __forceinline__ void cta_items(const ScheduleView& s, const ScheduleHeader& h, int cta,
+                                          int* begin, int* end, int* lane) {
+  const int v = cta / h.lanes;
+  *lane = cta - v * h.lanes;
+  if (v >= h.num_parts / h.lanes) {
+    *begin = *end = 0;
+    return;
+  }
+  *begin = s.part_begin[v];
+  *end = s.part_begin[v + 1];
+}
+__device__ __forceinline__ WorkItem lane_item(WorkItem w, const ScheduleHeader& h, int lane) {
+  if (h.lanes > 1) {
+    w.row_tile = lane;
+    if (w.slot >= 0) w.slot += lane * h.num_slots;
+  }
+  return w;
+}
+
+// What one CTA does for a work item: its request, its valid rows and the key range it attends
+// over (clamped to what the tile's last row may see). Shared by every decode kernel and by the
+// producer and consumer roles inside one, so that they all walk the same tiles.
+struct ItemRange {
+  RequestGeometry g;
+  int row0;        // first row of the tile
+  int valid_rows;  // rows of the tile that exist (<= 0: nothing to do)
+  int kv_begin, kv_end;
+  int num_tiles;   // key tiles of kBlockN in [kv_begin, kv_end)
+};
+
+__host__ __device__ inline ItemRange item_range(const BatchLayout& layout, const WorkItem& item,
+                                                int block_m) {
+  ItemRange r;
+  r.g = request_geometry(layout, item.request);
+  const int rows = r.g.q_len * layout.num_heads;
+  r.row0 = item.row_tile * block_m;
+  r.valid_rows = rows - r.row0 < block_m ? rows - r.row0 : block_m;
+  if (r.valid_rows <= 0) {
+    r.valid_rows = 0;
+    r.kv_begin = r.kv_end = r.num_tiles = 0;
+    return r;
+  }
+  const int visible = tile_visible_keys(r.g, r.row0 + r.valid_rows, layout.num_heads);
+  r.kv_end = item.kv_end < visible ? item.kv_end : visible;
+  r.kv_begin = item.kv_begin < r.kv_end ? item.kv_begin : r.kv_end;
+  r.num_tiles = (r.kv_end - r.kv_begin + kBlockN - 1) / kBlockN;
+  return r;
 }
 
 // Everything the main and combine kernels read. Strides are in elements.

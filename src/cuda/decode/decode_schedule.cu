@@ -22,7 +22,9 @@
 //
 // Capacity (why the workspace sizes are bounds): units <= max_batch * ceil(max_q_len * H / 16);
 // each of the num_parts - 1 cuts adds at most one item, so items <= units + num_parts; split
-// units <= num_parts - 1; slots = pieces of split units <= 2 (num_parts - 1).
+// units <= num_parts - 1; slots = pieces of split units <= 2 (num_parts - 1). With L lanes
+// (decode_params.cuh) the line has num_parts / L parts and every slot is used L times:
+// slots * L <= 2 (num_parts / L - 1) * L < 2 num_parts.
 //
 // The kernel is one CTA of 1024 threads: each thread owns a contiguous range of requests; three
 // passes over them (cost, counts, writes) are joined by block-wide exclusive scans.
@@ -110,7 +112,15 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   const int batch = pp.layout.batch_size;
   const int num_heads = pp.layout.num_heads;
   const int block_m = pp.block_m;
-  const int parts = pp.num_parts;
+  // Lanes (decode_params.cuh): with several row tiles per request, plan whole requests over
+  // num_parts / lanes virtual parts; each unit is then costed by its last row tile (the one that
+  // sees the most keys) and run by `lanes` CTAs side by side.
+  const int tiles_max = (pp.layout.max_q_len * num_heads + block_m - 1) / block_m;
+  const int lanes = tiles_max >= 2 && tiles_max <= pp.num_parts ? tiles_max : 1;
+  const int parts = pp.num_parts / lanes;
+  // Units of a request with `tiles` row tiles, and the row tile that costs unit t.
+  auto units_of = [&](int tiles) { return lanes > 1 ? min(tiles, 1) : tiles; };
+  auto cost_tile = [&](int tiles, int t) { return lanes > 1 ? tiles - 1 : t; };
   const int per_thread = (batch + kPlanThreads - 1) / kPlanThreads;
   const int b_begin = min(batch, tid * per_thread);
   const int b_end = min(batch, b_begin + per_thread);
@@ -122,8 +132,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   for (int b = b_begin; b < b_end; ++b) {
     const RequestGeometry g = request_geometry(pp.layout, b);
     const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
-    for (int t = 0; t < tiles; ++t) {
-      const int cost = unit_cost(g, t, block_m, num_heads).blocks + kOverheadBlocks;
+    for (int t = 0; t < units_of(tiles); ++t) {
+      const int cost = unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks + kOverheadBlocks;
       my_cost += cost;
       my_max = max(my_max, cost);
     }
@@ -148,8 +158,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
     for (int b = b_begin; b < b_end; ++b) {
       const RequestGeometry g = request_geometry(pp.layout, b);
       const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
-      for (int t = 0; t < tiles; ++t) {
-        const int nb = unit_cost(g, t, block_m, num_heads).blocks;
+      for (int t = 0; t < units_of(tiles); ++t) {
+        const int nb = unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks;
         int pieces = 1;
         if (nb > 0) {
           const UnitSpan span = unit_span(pos, pos + kOverheadBlocks + nb, payload, snap, parts);
@@ -176,8 +186,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
     for (int b = b_begin; b < b_end; ++b) {
       const RequestGeometry g = request_geometry(pp.layout, b);
       const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
-      for (int t = 0; t < tiles; ++t) {
-        const UnitCost c = unit_cost(g, t, block_m, num_heads);
+      for (int t = 0; t < units_of(tiles); ++t) {
+        const UnitCost c = unit_cost(g, cost_tile(tiles, t), block_m, num_heads);
         const long long first = pos + kOverheadBlocks;
         if (c.blocks == 0) {
           if (item < pp.max_items) pp.items[item] = WorkItem{b, t, 0, 0, -1, part_of(pos), 0, 0};
@@ -232,10 +242,13 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
     h.block_m = block_m;
     h.batch_size = batch;
     h.num_heads = num_heads;
-    h.num_parts = parts;
+    h.num_parts = pp.num_parts;
+    h.lanes = lanes;
+    h.num_slots = num_slots;
     // A plan that does not fit its workspace (impossible by the capacity bounds above) is
     // marked so that the decode kernel traps instead of producing wrong results.
-    if (num_items > pp.max_items || num_splits > pp.max_split_units || num_slots > pp.max_slots)
+    if (num_items > pp.max_items || num_splits > pp.max_split_units ||
+        int64_t(num_slots) * lanes > pp.max_slots)
       h.magic = 0;
     *pp.header = h;
   }
