@@ -16,7 +16,7 @@
 #include <initializer_list>
 #include <mutex>
 #include <optional>
-#include <sstream>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -36,13 +36,24 @@ using at::ScalarType;
 using OptTensor = std::optional<at::Tensor>;
 
 // ---- describing tensors in messages ----------------------------------------------------------
+// Messages are built with std::string and std::to_string, not iostreams: a binding loaded into an
+// interpreter shares the C++ runtime with everything else there, and string building is the part
+// of it least sensitive to that.
+
+void append(std::string& s, const char* v) { s += v; }
+void append(std::string& s, const std::string& v) { s += v; }
+template <typename T, std::enable_if_t<std::is_integral_v<T> || std::is_floating_point_v<T>, int> = 0>
+void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
 
 std::string list_str(at::IntArrayRef values) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < values.size(); ++i) os << (i ? ", " : "") << values[i];
-  os << "]";
-  return os.str();
+  std::string s = "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(values[i]);
+  }
+  return s + "]";
 }
 
 // The dtype as Python spells it (torch.<name>).
@@ -66,28 +77,26 @@ std::string dtype_name(ScalarType dtype) {
 
 // "shape [2, 16, 576], strides [9216, 576, 1], bfloat16 on cuda:0"
 std::string describe(const at::Tensor& t) {
-  std::ostringstream os;
-  os << "shape " << list_str(t.sizes()) << ", strides " << list_str(t.strides()) << ", "
-     << dtype_name(t.scalar_type()) << " on " << t.device().str();
-  return os.str();
+  return "shape " + list_str(t.sizes()) + ", strides " + list_str(t.strides()) + ", " +
+         dtype_name(t.scalar_type()) + " on " + t.device().str();
 }
 
 std::string dtypes_str(std::initializer_list<ScalarType> dtypes) {
-  std::ostringstream os;
+  std::string s;
   size_t i = 0;
   for (ScalarType d : dtypes) {
-    os << (i == 0 ? "" : (i + 1 == dtypes.size() ? " or " : ", ")) << dtype_name(d);
+    s += i == 0 ? "" : (i + 1 == dtypes.size() ? " or " : ", ");
+    s += dtype_name(d);
     ++i;
   }
-  return os.str();
+  return s;
 }
 
 template <typename... Parts>
 [[noreturn]] void fail(const char* op, const Parts&... parts) {
-  std::ostringstream os;
-  os << "mla." << op << ": ";
-  (os << ... << parts);
-  TORCH_CHECK(false, os.str());
+  std::string message = std::string("mla.") + op + ": ";
+  (append(message, parts), ...);
+  TORCH_CHECK(false, message);
 }
 
 // ---- the tensor spec checked at the binding layer --------------------------------------------
