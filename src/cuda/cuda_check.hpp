@@ -4,6 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
+
 #include "mla/error.hpp"
 #include "mla/tensor.hpp"
 
@@ -32,5 +35,17 @@ struct DeviceInfo {
   size_t l2_bytes = 0;
 };
 const DeviceInfo& current_device_info();
+
+// Raises kKernel's dynamic shared-memory limit to `bytes` on the current device, once per
+// device (not on every launch).
+template <auto kKernel>
+void opt_in_dynamic_smem(int bytes) {
+  static std::atomic<uint64_t> opted_in{0};
+  const int device = current_device_info().device;
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (opted_in.load(std::memory_order_acquire) & bit) return;
+  MLA_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  opted_in.fetch_or(bit, std::memory_order_acq_rel);
+}
 
 }  // namespace mla::cuda

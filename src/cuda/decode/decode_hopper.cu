@@ -33,10 +33,8 @@
 #include <cuda_fp16.h>
 #include <cudaTypedefs.h>
 
-#include <atomic>
 #include <climits>
 #include <cstdint>
-#include <mutex>
 
 #include "cuda/common/hopper.cuh"
 #include "cuda/common/warp_mma.cuh"
@@ -159,19 +157,6 @@ __device__ __forceinline__ void store_o(const DecodeParams& p, const ItemRange& 
       }
     }
   }
-}
-
-// Work item `it` of this CTA: from the schedule, or (no schedule) the CTA's one row tile with
-// all its keys.
-__device__ __forceinline__ WorkItem fetch_item(const DecodeParams& p, int it, int lane) {
-  if (p.has_schedule) return lane_item(p.schedule.items[it], *p.schedule.header, lane);
-  WorkItem item{};
-  item.request = int(blockIdx.x) / p.tiles_per_request;
-  item.row_tile = int(blockIdx.x) % p.tiles_per_request;
-  item.kv_begin = 0;
-  item.kv_end = INT_MAX;
-  item.slot = -1;
-  return item;
 }
 
 template <typename T>
@@ -415,18 +400,8 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const DecodeParams& p = hp.p;
 
-  // This CTA's work list: items [begin, end) of the schedule, or its one row tile.
-  int begin = 0, end = 1, lane = 0;
-  if (p.has_schedule) {
-    const ScheduleHeader& header = *p.schedule.header;
-    // A plan for another batch shape would send this CTA past its work list: stop instead.
-    if (header.magic != kScheduleMagic || header.block_m != hp.block_m ||
-        header.batch_size != p.layout.batch_size || header.num_heads != p.layout.num_heads ||
-        header.num_parts != int(gridDim.x) || header.lanes < 1) {
-      __trap();
-    }
-    cta_items(p.schedule, header, int(blockIdx.x), &begin, &end, &lane);
-  }
+  int begin, end, lane;
+  cta_work(p, hp.block_m, &begin, &end, &lane);
 
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
@@ -516,15 +491,8 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
             "mla_decode: the Hopper decode kernel needs ", SmemLayout::bytes,
             " bytes of shared memory per block, but device ", info.device, " allows ",
             info.max_smem_per_block_optin);
-  auto kernel = mla_decode_hopper_kernel<T>;
-  static std::atomic<uint64_t> opted_in{0};
-  const uint64_t bit = uint64_t(1) << (info.device & 63);
-  if (!(opted_in.load(std::memory_order_acquire) & bit)) {
-    MLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        SmemLayout::bytes));
-    opted_in.fetch_or(bit, std::memory_order_acq_rel);
-  }
-  kernel<<<grid, kHopperThreads, SmemLayout::bytes, stream>>>(hp);
+  opt_in_dynamic_smem<mla_decode_hopper_kernel<T>>(SmemLayout::bytes);
+  mla_decode_hopper_kernel<T><<<grid, kHopperThreads, SmemLayout::bytes, stream>>>(hp);
   MLA_CUDA_CHECK_LAUNCH();
 }
 

@@ -40,7 +40,6 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <type_traits>
@@ -498,26 +497,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   using Cta = DecodeCta<T, kRowTiles>;
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   Cta cta(p, *reinterpret_cast<typename Cta::Smem*>(smem_bytes));
-  if (p.has_schedule) {
-    const ScheduleHeader& header = *p.schedule.header;
-    // A plan for another batch shape would send this CTA past its work list: stop instead.
-    if (header.magic != kScheduleMagic || header.block_m != Cta::kBlockM ||
-        header.batch_size != p.layout.batch_size || header.num_heads != p.layout.num_heads ||
-        header.num_parts != int(gridDim.x) || header.lanes < 1) {
-      __trap();
-    }
-    int begin, end, lane;
-    cta_items(p.schedule, header, int(blockIdx.x), &begin, &end, &lane);
-    for (int i = begin; i < end; ++i) cta.run_item(lane_item(p.schedule.items[i], header, lane));
-  } else {
-    WorkItem item{};
-    item.request = int(blockIdx.x) / p.tiles_per_request;
-    item.row_tile = int(blockIdx.x) % p.tiles_per_request;
-    item.kv_begin = 0;
-    item.kv_end = INT_MAX;
-    item.slot = -1;
-    cta.run_item(item);
-  }
+  int begin, end, lane;
+  cta_work(p, Cta::kBlockM, &begin, &end, &lane);
+  for (int i = begin; i < end; ++i) cta.run_item(fetch_item(p, i, lane));
 }
 
 // Host launcher (instantiated in decode_bf16.cu / decode_fp16.cu).
@@ -529,16 +511,8 @@ void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t str
             Traits::kBlockM, "-row tiles needs ", Traits::kSmemBytes,
             " bytes of shared memory per block, but device ", info.device, " allows ",
             info.max_smem_per_block_optin);
-  auto kernel = mla_decode_kernel<T, kRowTiles>;
-  // Opt in to the large shared memory once per device (not on every launch).
-  static std::atomic<uint64_t> opted_in{0};
-  const uint64_t bit = uint64_t(1) << (info.device & 63);
-  if (!(opted_in.load(std::memory_order_acquire) & bit)) {
-    MLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        int(Traits::kSmemBytes)));
-    opted_in.fetch_or(bit, std::memory_order_acq_rel);
-  }
-  kernel<<<grid, kThreads, Traits::kSmemBytes, stream>>>(params);
+  opt_in_dynamic_smem<mla_decode_kernel<T, kRowTiles>>(int(Traits::kSmemBytes));
+  mla_decode_kernel<T, kRowTiles><<<grid, kThreads, Traits::kSmemBytes, stream>>>(params);
   MLA_CUDA_CHECK_LAUNCH();
 }
 

@@ -10,6 +10,7 @@
 //   slot       workspace storage of one piece's partial output when its unit is split
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 namespace mla::cuda::decode {
@@ -133,27 +134,6 @@ __host__ __device__ inline int tile_visible_keys(const RequestGeometry& g, int r
   return visible;
 }
 
-// The items of this CTA (blockIdx.x) in a planned schedule: [*begin, *end) of the item array,
-// and the lane (row tile offset) it applies to each.
-__device__ __forceinline__ void cta_items(const ScheduleView& s, const ScheduleHeader& h, int cta,
-                                          int* begin, int* end, int* lane) {
-  const int v = cta / h.lanes;
-  *lane = cta - v * h.lanes;
-  if (v >= h.num_parts / h.lanes) {
-    *begin = *end = 0;
-    return;
-  }
-  *begin = s.part_begin[v];
-  *end = s.part_begin[v + 1];
-}
-__device__ __forceinline__ WorkItem lane_item(WorkItem w, const ScheduleHeader& h, int lane) {
-  if (h.lanes > 1) {
-    w.row_tile = lane;
-    if (w.slot >= 0) w.slot += lane * h.num_slots;
-  }
-  return w;
-}
-
 // What one CTA does for a work item: its request, its valid rows and the key range it attends
 // over (clamped to what the tile's last row may see). Shared by every decode kernel and by the
 // producer and consumer roles inside one, so that they all walk the same tiles.
@@ -235,5 +215,51 @@ struct PlanParams {
   int* part_begin;
   SplitUnit* split_units;
 };
+
+// This CTA's work: items [*begin, *end) and the lane applied to each (fetch_item). With a
+// schedule, the CTA's part of the plan; a plan for another batch shape (or another row-tile class
+// or grid) would send the CTA past its work list, so it stops with a trap instead. Without one,
+// the single row tile blockIdx.x names (item 0).
+__device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int* begin, int* end,
+                                         int* lane) {
+  *begin = 0;
+  *end = 1;
+  *lane = 0;
+  if (!p.has_schedule) return;
+  const ScheduleHeader& h = *p.schedule.header;
+  if (h.magic != kScheduleMagic || h.block_m != block_m || h.batch_size != p.layout.batch_size ||
+      h.num_heads != p.layout.num_heads || h.num_parts != int(gridDim.x) || h.lanes < 1) {
+    __trap();
+  }
+  const int v = int(blockIdx.x) / h.lanes;
+  *lane = int(blockIdx.x) - v * h.lanes;
+  if (v >= h.num_parts / h.lanes) {
+    *end = 0;
+    return;
+  }
+  *begin = p.schedule.part_begin[v];
+  *end = p.schedule.part_begin[v + 1];
+}
+
+// Work item `it` of this CTA (see cta_work): the planned item with its lane applied (row tile
+// `lane`, slot offset by lane * num_slots), or the unplanned CTA's row tile with all its keys.
+__device__ __forceinline__ WorkItem fetch_item(const DecodeParams& p, int it, int lane) {
+  WorkItem w{};
+  if (p.has_schedule) {
+    const ScheduleHeader& h = *p.schedule.header;
+    w = p.schedule.items[it];
+    if (h.lanes > 1) {
+      w.row_tile = lane;
+      if (w.slot >= 0) w.slot += lane * h.num_slots;
+    }
+    return w;
+  }
+  w.request = int(blockIdx.x) / p.tiles_per_request;
+  w.row_tile = int(blockIdx.x) % p.tiles_per_request;
+  w.kv_begin = 0;
+  w.kv_end = INT_MAX;
+  w.slot = -1;
+  return w;
+}
 
 }  // namespace mla::cuda::decode
