@@ -1,6 +1,5 @@
 #include "mla/tensor.hpp"
 
-#include <sstream>
 
 #include "mla/error.hpp"
 
@@ -57,11 +56,14 @@ bool TensorView::is_contiguous() const {
 
 std::string TensorView::describe() const {
   if (empty()) return "(not given)";
-  std::ostringstream os;
-  os << "[";
-  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
-  os << "] " << dtype_name(dtype) << " " << device_name(device);
-  return os.str();
+  std::string out = "[";
+  for (int d = 0; d < ndim; ++d) {
+    if (d) out += ", ";
+    out += std::to_string(shape[d]);
+  }
+  out += "] ";
+  out += dtype_name(dtype);
+  return out + " " + device_name(device);
 }
 
 namespace check {

@@ -5,9 +5,11 @@
 //   "mla_decode: kv_cache.shape[2] must be 576 (kv_lora_rank 512 + rope 64), got 512 [src/ops/decode.cpp:88]"
 #pragma once
 
-#include <sstream>
+#include <charconv>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace mla {
 
@@ -24,17 +26,36 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
-inline void append_all(std::ostringstream&) {}
-template <typename T, typename... Rest>
-void append_all(std::ostringstream& os, const T& first, const Rest&... rest) {
-  os << first;
-  append_all(os, rest...);
+// Message parts are formatted without iostreams (std::to_chars: no locale, no facets), so that
+// a message can be built in any host process, whatever copy of the C++ runtime it has loaded.
+inline void append_part(std::string& out, std::string_view text) { out.append(text); }
+inline void append_part(std::string& out, const char* text) { out.append(text ? text : "(null)"); }
+inline void append_part(std::string& out, char c) { out.push_back(c); }
+inline void append_part(std::string& out, bool b) { out.append(b ? "true" : "false"); }
+template <typename T>
+  requires(std::is_arithmetic_v<T> && !std::is_same_v<T, bool> && !std::is_same_v<T, char>)
+void append_part(std::string& out, T value) {
+  char buf[64];
+  std::to_chars_result r;
+  if constexpr (std::is_floating_point_v<T>) {
+    // As printf's %g: 6 significant digits.
+    r = std::to_chars(buf, buf + sizeof buf, value, std::chars_format::general, 6);
+  } else {
+    r = std::to_chars(buf, buf + sizeof buf, value);
+  }
+  out.append(buf, r.ptr);
 }
+
+template <typename... Args>
+std::string format_message(const Args&... args) {
+  std::string out;
+  (append_part(out, args), ...);
+  return out;
+}
+
 template <typename... Args>
 [[noreturn]] void throw_error(const char* file, int line, const Args&... args) {
-  std::ostringstream os;
-  append_all(os, args...);
-  throw Error(os.str(), file, line);
+  throw Error(format_message(args...), file, line);
 }
 }  // namespace detail
 
