@@ -19,6 +19,9 @@
 #   GPU_SANITIZE_FILTER    gtest filter for memcheck (default *: every GPU test)
 #   GPU_RACECHECK_FILTER   gtest filter for racecheck (default: the first test of every suite)
 #   SKIP_SANITIZERS=1, SKIP_BENCH=1   leave those steps out (reported as SKIP)
+#   BENCH_SWEEPS           mla-bench sweeps to run (default "decode prefill")
+#   BENCH_DECODE_PARTS=N   run the decode sweep as N parts (--part K/N), each its own JSON;
+#   BENCH_DECODE_PART=K/N  or only part K (merge the JSONs with bench/merge_results.py)
 #   SANITIZE_TIMEOUT_S, BENCH_TIMEOUT_S, TEST_TIMEOUT_S   per-step time limits in seconds
 set -euo pipefail
 
@@ -182,14 +185,16 @@ fi
 
 # ---- 4. mla-bench ----------------------------------------------------------------------------
 BENCH="$BUILD_DIR/tools/mla-bench"
-run_bench() {  # sweep json
-  local sweep="$1" json="$2" rc=0 t0
+run_bench() {  # sweep [part K/N]
+  local sweep="$1" part="${2:-}" rc=0 t0 name json
+  name="bench_${sweep}${part:+_part${part%/*}of${part#*/}}"
+  json="$OUT_DIR/$name.json"
   t0=$(now)
-  echo "== mla-bench --device cuda --sweep $sweep"
-  timeout "${BENCH_TIMEOUT_S:-1200}" "$BENCH" --device cuda --sweep "$sweep" --json "$json" \
-    >"$OUT_DIR/bench_$sweep.log" 2>&1 || rc=$?
-  tail -30 "$OUT_DIR/bench_$sweep.log" || true
-  record "bench $sweep" "$( ((rc == 0)) && [[ -s "$json" ]] && echo PASS || echo FAIL)" \
+  echo "== mla-bench --device cuda --sweep $sweep${part:+ --part $part}"
+  timeout "${BENCH_TIMEOUT_S:-1200}" "$BENCH" --device cuda --sweep "$sweep" ${part:+--part "$part"} \
+    --json "$json" >"$OUT_DIR/$name.log" 2>&1 || rc=$?
+  tail -30 "$OUT_DIR/$name.log" || true
+  record "bench $sweep${part:+ $part}" "$( ((rc == 0)) && [[ -s "$json" ]] && echo PASS || echo FAIL)" \
     $(($(now) - t0)) "exit $rc, $(basename "$json") $( [[ -s "$json" ]] && wc -c <"$json" || echo 0) bytes"
 }
 if [[ "${SKIP_BENCH:-0}" == 1 ]]; then
@@ -197,13 +202,18 @@ if [[ "${SKIP_BENCH:-0}" == 1 ]]; then
 elif [[ ! -x "$BENCH" ]]; then
   record bench SKIP 0 "no mla-bench in $BUILD_DIR/tools"
 else
-  run_bench decode "$OUT_DIR/h200.json"
-  bench_help="$("$BENCH" --help 2>&1 || true)"
-  if grep -Eq -e '^[[:space:]]+prefill[[:space:]]' -e '--sweep.*prefill' <<<"$bench_help"; then
-    run_bench prefill "$OUT_DIR/h200_prefill.json"
-  else
-    record "bench prefill" SKIP 0 "mla-bench has no prefill sweep"
-  fi
+  # BENCH_SWEEPS picks the sweeps (default: decode prefill); BENCH_DECODE_PARTS=N splits the
+  # decode sweep into N runs (or BENCH_DECODE_PART=K/N runs one of them), to be merged with
+  # bench/merge_results.py.
+  for sweep in ${BENCH_SWEEPS:-decode prefill}; do
+    if [[ "$sweep" == decode && -n "${BENCH_DECODE_PART:-}" ]]; then
+      run_bench decode "$BENCH_DECODE_PART"
+    elif [[ "$sweep" == decode && "${BENCH_DECODE_PARTS:-1}" -gt 1 ]]; then
+      for ((k = 1; k <= BENCH_DECODE_PARTS; ++k)); do run_bench decode "$k/$BENCH_DECODE_PARTS"; done
+    else
+      run_bench "$sweep"
+    fi
+  done
 fi
 
 # ---- 5. summary: printed by the EXIT trap ----------------------------------------------------

@@ -45,6 +45,9 @@ each result against a float64 naive computation. Without case options it runs --
   --warmup N               untimed runs per case (default 1 on cpu, 5 on cuda)
   --iters N                timed runs per case; the median is reported (default 3 / 20)
   --seed N                 random seed (default 1)
+  --part K/N               run only the K-th of N consecutive slices of the cases (1 <= K <= N),
+                           with the seeds of the whole run, so that the parts of a long sweep
+                           can run separately and be merged (bench/merge_results.py)
   --json FILE              also write the results as JSON
   --help                   this text
 
@@ -61,6 +64,8 @@ struct Options {
   int warmup = -1;
   int iters = -1;
   uint64_t seed = 1;
+  int part_index = 1;  // --part K/N
+  int part_count = 1;
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -113,6 +118,11 @@ Options parse_options(int argc, char** argv) {
       o.warmup = int(parse_int(arg, value, 0, 1000000));
     } else if (arg == "--iters") {
       o.iters = int(parse_int(arg, value, 1, 1000000));
+    } else if (arg == "--part") {
+      const size_t slash = value.find('/');
+      if (slash == std::string_view::npos) usage_error("--part expects K/N, got '" + std::string(value) + "'");
+      o.part_count = int(parse_int("--part N", value.substr(slash + 1), 1, 1000000));
+      o.part_index = int(parse_int("--part K", value.substr(0, slash), 1, o.part_count));
     } else if (arg == "--seed") {
       o.seed = uint64_t(parse_int(arg, value, 0, INT64_MAX));
     } else {
@@ -263,12 +273,21 @@ int run(int argc, char** argv) {
   std::erase_if(cases, [&](const BenchCase& c) { return o.op != "all" && o.op != op_name(c.op); });
   if (cases.empty()) usage_error("--op " + o.op + " selects no case of --sweep " + o.sweep);
 
+  // The slice of the cases this run covers; a case keeps its index in the whole list (its seed).
+  const size_t first = cases.size() * size_t(o.part_index - 1) / size_t(o.part_count);
+  const size_t last = cases.size() * size_t(o.part_index) / size_t(o.part_count);
+  if (first == last)
+    usage_error("--part " + std::to_string(o.part_index) + "/" + std::to_string(o.part_count) +
+                " selects none of the " + std::to_string(cases.size()) + " cases");
+
   Report report;
   report.device = runner->device();
   report.card = runner->card();
   report.driver = runner->driver();
   report.commit = commit_id();
   report.sweep = o.sweep.empty() ? "single" : o.sweep;
+  if (o.part_count > 1)
+    report.part = std::to_string(o.part_index) + "/" + std::to_string(o.part_count);
   report.warmup = warmup;
   report.iters = iters;
   report.ceilings = runner->ceilings();
@@ -276,7 +295,7 @@ int run(int argc, char** argv) {
   print_table_head(stdout, report.ceilings.has_value());
 
   bool all_ok = true;
-  for (size_t i = 0; i < cases.size(); ++i) {
+  for (size_t i = first; i < last; ++i) {
     const BenchCase& c = cases[i];
     if (cases.size() > 1) {
       std::fprintf(stderr, "[%zu/%zu] %s ...\n", i + 1, cases.size(), describe(c).c_str());

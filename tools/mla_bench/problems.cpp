@@ -58,22 +58,36 @@ namespace {
 constexpr int kPrefillQkDim = 192;  // qk_nope_head_dim 128 + rope 64
 constexpr int kPrefillVDim = 128;
 
-// Fills elements [begin, end) of `buf` with values uniform in [-range, range], stored in the
-// buffer's dtype. Large caches make per-element conversion slow, so values are drawn from a table
-// of 4096 pre-converted codes (12 random bits per element).
-void fill_uniform(HostBuffer& buf, Rng& rng, float range, int64_t begin, int64_t end) {
-  const size_t elem = dtype_size(buf.dtype);
-  constexpr int kCodes = 4096;
-  std::vector<uint8_t> codes(kCodes * elem);
-  for (int i = 0; i < kCodes; ++i)
-    store_from_float(codes.data(), buf.dtype, i, float((2.0 * rng.uniform() - 1.0) * range));
+// Values uniform in [-range, range], pre-converted to a dtype: 4096 codes, so that filling a
+// large cache costs 12 random bits and one copy per element.
+struct UniformCodes {
+  static constexpr int kCount = 4096;
+  DType dtype;
+  size_t elem;
+  std::vector<uint8_t> codes;
+  UniformCodes(DType dtype_, Rng& rng, float range)
+      : dtype(dtype_), elem(dtype_size(dtype_)), codes(kCount * elem) {
+    for (int i = 0; i < kCount; ++i)
+      store_from_float(codes.data(), dtype, i, float((2.0 * rng.uniform() - 1.0) * range));
+  }
+};
+
+// Fills elements [begin, end) of `buf` with codes drawn at random from `table`.
+void fill_uniform(HostBuffer& buf, const UniformCodes& table, Rng& rng, int64_t begin, int64_t end) {
+  MLA_CHECK(buf.dtype == table.dtype, "fill_uniform: table dtype differs from the buffer's");
+  const size_t elem = table.elem;
   uint8_t* dst = buf.bytes.data();
   int64_t i = begin;
   while (i < end) {
     uint64_t bits = rng.next();
     for (int k = 0; k < 5 && i < end; ++k, ++i, bits >>= 12)
-      std::memcpy(dst + size_t(i) * elem, codes.data() + (bits & (kCodes - 1)) * elem, elem);
+      std::memcpy(dst + size_t(i) * elem, table.codes.data() + (bits & (UniformCodes::kCount - 1)) * elem,
+                  elem);
   }
+}
+
+void fill_uniform(HostBuffer& buf, Rng& rng, float range, int64_t begin, int64_t end) {
+  fill_uniform(buf, UniformCodes(buf.dtype, rng, range), rng, begin, end);
 }
 
 void fill_nan(HostBuffer& buf, int64_t begin, int64_t end) {
@@ -131,11 +145,11 @@ DecodeProblem make_decode_problem(const BenchCase& c, uint64_t seed) {
   // The cache: random values in the slots that hold tokens, NaN everywhere else (spare pages and
   // the tail of each request's last page), so that a kernel reading past kv_len shows up.
   p.kv_cache = HostBuffer(c.kv_dtype, {p.num_pages, S, kLatentDim});
-  const float kv_range = fp8_range_or(c.kv_dtype, p.k_scale, 1.0f);
+  const UniformCodes kv_codes(c.kv_dtype, rng, fp8_range_or(c.kv_dtype, p.k_scale, 1.0f));
   for (int page = 0; page < p.num_pages; ++page) {
     const int64_t base = int64_t(page) * S * kLatentDim;
     const int64_t filled = int64_t(tokens_in_page[size_t(page)]) * kLatentDim;
-    fill_uniform(p.kv_cache, rng, kv_range, base, base + filled);
+    fill_uniform(p.kv_cache, kv_codes, rng, base, base + filled);
     fill_nan(p.kv_cache, base + filled, base + int64_t(S) * kLatentDim);
   }
   p.q = HostBuffer(p.q_dtype, {p.num_tokens(), c.heads, kLatentDim});

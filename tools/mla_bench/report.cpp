@@ -66,9 +66,9 @@ void print_header(std::FILE* f, const Report& r) {
   if (r.ceilings)
     std::fprintf(f, "ceilings: cuBLAS bf16 GEMM %.1f TFLOP/s, device copy %.1f GB/s\n",
                  r.ceilings->gemm_tflops, r.ceilings->copy_gbps);
-  std::fprintf(f, "sweep %s, %d warm-up + %d timed iterations (median); prefill rows show the "
+  std::fprintf(f, "sweep %s%s%s, %d warm-up + %d timed iterations (median); prefill rows show the "
                   "mean sequence length as kv_len/q_len\n",
-               r.sweep.c_str(), r.warmup, r.iters);
+               r.sweep.c_str(), r.part.empty() ? "" : " part ", r.part.c_str(), r.warmup, r.iters);
 }
 
 void print_table_head(std::FILE* f, bool with_ceilings) {
@@ -111,6 +111,7 @@ void write_json(const std::string& path, const Report& r) {
   os << "  \"commit\": " << json_string(r.commit) << ",\n";
   os << "  \"device\": " << json_string(r.device) << ",\n";
   os << "  \"sweep\": " << json_string(r.sweep) << ",\n";
+  if (!r.part.empty()) os << "  \"part\": " << json_string(r.part) << ",\n";
   os << "  \"warmup\": " << r.warmup << ",\n";
   os << "  \"iters\": " << r.iters << ",\n";
   os << "  \"ceilings\": {\"gemm_tflops\": "

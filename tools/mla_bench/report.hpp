@@ -33,6 +33,7 @@ struct Report {
   std::string commit;
   std::optional<Ceilings> ceilings;
   std::string sweep;    // sweep name, or "single"
+  std::string part;     // "K/N" when only a slice of the cases ran (--part), else empty
   int warmup = 0;
   int iters = 0;
   std::vector<Row> rows;

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Merges the JSON files of several mla-bench runs on one card into one results file.
+
+    python3 bench/merge_results.py decode_1.json decode_2.json prefill.json --out bench/results/h200.json
+
+A long sweep runs in parts (`mla-bench --sweep decode --part K/N`), and the prefill sweep runs on
+its own; each run measures its own ceilings and computes its rows' fractions against them. The
+merged file keeps that: `runs` lists every run (sweep, part, ceilings), each row gets `run` (its
+index in `runs`), and the top-level `ceilings` are those of the first run. The runs must share the
+card and the commit; rows are kept in the order given.
+"""
+
+import argparse
+import json
+import sys
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("inputs", nargs="+", help="mla-bench --json files")
+    parser.add_argument("--out", required=True, help="merged JSON file to write")
+    parser.add_argument("--note", default=None, help="free text stored as `note`")
+    args = parser.parse_args(argv)
+
+    runs, rows, first = [], [], None
+    for path in args.inputs:
+        with open(path) as f:
+            data = json.load(f)
+        if first is None:
+            first = data
+        for key in ("card", "commit", "device"):
+            if data.get(key) != first.get(key):
+                sys.exit(f"merge_results: {path}: {key} {data.get(key)!r} differs from "
+                         f"{first.get(key)!r} of {args.inputs[0]}")
+        run = {"file": path.split("/")[-1], "sweep": data.get("sweep"), "part": data.get("part"),
+               "warmup": data.get("warmup"), "iters": data.get("iters"),
+               "ceilings": data.get("ceilings"), "rows": len(data.get("rows", []))}
+        for row in data.get("rows", []):
+            rows.append(dict(row, run=len(runs)))
+        runs.append(run)
+
+    merged = {
+        "card": first["card"], "driver": first.get("driver"), "commit": first["commit"],
+        "device": first.get("device"),
+        "sweeps": sorted({r["sweep"] for r in runs if r["sweep"]}),
+        "warmup": first.get("warmup"), "iters": first.get("iters"),
+        "ceilings": first.get("ceilings"),
+        "runs": runs,
+    }
+    if args.note:
+        merged["note"] = args.note
+    merged["rows"] = rows
+    with open(args.out, "w") as f:
+        json.dump(merged, f, indent=1)
+        f.write("\n")
+    print(f"merge_results: {len(rows)} rows from {len(runs)} runs -> {args.out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
