@@ -6,6 +6,8 @@
 #pragma once
 
 #include <charconv>
+#include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -32,6 +34,14 @@ inline void append_part(std::string& out, std::string_view text) { out.append(te
 inline void append_part(std::string& out, const char* text) { out.append(text ? text : "(null)"); }
 inline void append_part(std::string& out, char c) { out.push_back(c); }
 inline void append_part(std::string& out, bool b) { out.append(b ? "true" : "false"); }
+// Other pointers print as addresses (0x...), not through their conversion to bool.
+template <typename T>
+void append_part(std::string& out, const T* pointer) {
+  char buf[2 + 2 * sizeof(uintptr_t)] = {'0', 'x'};
+  const auto r = std::to_chars(buf + 2, buf + sizeof buf, reinterpret_cast<uintptr_t>(pointer), 16);
+  out.append(buf, r.ptr);
+}
+inline void append_part(std::string& out, std::nullptr_t) { out.append("nullptr"); }
 template <typename T>
   requires(std::is_arithmetic_v<T> && !std::is_same_v<T, bool> && !std::is_same_v<T, char>)
 void append_part(std::string& out, T value) {

@@ -1,0 +1,48 @@
+// mla::Error and its message formatting (no iostreams: std::to_chars for numbers).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <string_view>
+
+#include "mla/error.hpp"
+
+namespace {
+
+using mla::detail::format_message;
+
+TEST(ErrorMessage, FormatsEveryKindOfPart) {
+  const std::string s = "str";
+  EXPECT_EQ(format_message("a ", s, ' ', std::string_view("view"), ' ', true, ' ', false), "a str view true false");
+  EXPECT_EQ(format_message(0, ' ', -7, ' ', int64_t(1) << 40, ' ', uint64_t(18446744073709551615ull)),
+            "0 -7 1099511627776 18446744073709551615");
+  EXPECT_EQ(format_message(short(-3), ' ', (unsigned char)200, ' ', size_t(12)), "-3 200 12");
+  // Floating point as %g: 6 significant digits.
+  EXPECT_EQ(format_message(0.0, ' ', 0.1, ' ', 1.0f / 3.0f, ' ', 1e20, ' ', -2.5e-7), "0 0.1 0.333333 1e+20 -2.5e-07");
+  EXPECT_EQ(format_message(std::numeric_limits<double>::infinity(), ' ', -std::numeric_limits<float>::infinity()),
+            "inf -inf");
+  // Pointers print as addresses, not as bool; a null C string as (null).
+  const int x = 0;
+  const std::string address = format_message(&x);
+  EXPECT_EQ(address.rfind("0x", 0), 0u) << address;
+  EXPECT_GT(address.size(), 2u);
+  EXPECT_EQ(format_message(static_cast<const void*>(nullptr)), "0x0");
+  EXPECT_EQ(format_message(static_cast<const char*>(nullptr)), "(null)");
+  EXPECT_EQ(format_message(nullptr), "nullptr");
+}
+
+TEST(ErrorMessage, CheckThrowsWithMessageAndLocation) {
+  try {
+    MLA_CHECK(1 + 1 == 3, "op: x must be ", 3, ", got ", 2);
+    FAIL() << "MLA_CHECK did not throw";
+  } catch (const mla::Error& e) {
+    EXPECT_EQ(e.message(), "op: x must be 3, got 2");
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind("op: x must be 3, got 2 [", 0), 0u) << what;
+    EXPECT_NE(what.find("test_error.cpp:"), std::string::npos) << what;
+  }
+  EXPECT_NO_THROW(MLA_CHECK(true, "never"));
+}
+
+}  // namespace
