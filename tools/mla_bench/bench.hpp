@@ -140,6 +140,7 @@ struct Measurement {
   double time_us = 0;  // median
   HostBuffer out;      // the kernel's output, copied to the host
   bool is_baseline = false;
+  std::optional<double> plan_us;  // median time of plan_decode for this case (scheduled variants)
 };
 
 struct Ceilings {

@@ -252,7 +252,10 @@ class GpuRunner final : public Runner {
                                                          c.batch, c.q_len, c.heads);
     const TensorView kv_lens_view =
         TensorView::contiguous(kv_lens.get(), DType::kInt32, {c.batch}, Device::cuda(device_));
-    plan_decode(schedule, kv_lens_view, TensorView{}, c.q_len, c.q_len, stream_);
+    // The plan's own time (an engine pays it once per step, not once per layer).
+    const double plan_us = time_median_us(warmup, iters, [&] {
+      plan_decode(schedule, kv_lens_view, TensorView{}, c.q_len, c.q_len, stream_);
+    });
     // Kernels: the portable one, then the one mla_decode picks (the Hopper kernel where it
     // applies), each with the schedule; then the picked one without a schedule.
     struct Variant {
@@ -278,6 +281,7 @@ class GpuRunner final : public Runner {
       if (std::find(seen.begin(), seen.end(), m.kernel) != seen.end()) continue;
       seen.push_back(m.kernel);
       m.time_us = time_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
+      if (v.schedule) m.plan_us = plan_us;
       m.out = download(out, p.out_dtype, out_shape);
       results.push_back(std::move(m));
     }

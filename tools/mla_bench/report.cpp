@@ -98,8 +98,9 @@ void print_row(std::FILE* f, const Row& row, bool with_ceilings) {
     std::fprintf(f, " %9s %9s %8s", optional_cell(row.frac_gemm, "%.3f").c_str(),
                  optional_cell(row.frac_copy, "%.3f").c_str(),
                  optional_cell(row.speedup_vs_naive, "%.2fx").c_str());
-  std::fprintf(f, " %11.2e%s\n", row.max_rel_err,
-               row.verified ? "" : "  FAILED verification");
+  std::fprintf(f, " %11.2e", row.max_rel_err);
+  if (row.plan_us) std::fprintf(f, "  (plan %.1f us)", *row.plan_us);
+  std::fprintf(f, "%s\n", row.verified ? "" : "  FAILED verification");
   std::fflush(f);
 }
 
@@ -139,6 +140,7 @@ void write_json(const std::string& path, const Report& r) {
     os << ", \"frac_gemm\": " << json_number(row.frac_gemm);
     os << ", \"frac_copy\": " << json_number(row.frac_copy);
     os << ", \"speedup_vs_naive\": " << json_number(row.speedup_vs_naive);
+    os << ", \"plan_us\": " << json_number(row.plan_us);
     os << ", \"max_rel_err\": " << (ran ? json_number(row.max_rel_err) : "null");
     os << ", \"tolerance\": " << json_number(row.tolerance);
     os << ", \"rows_checked\": " << row.rows_checked;

@@ -19,6 +19,7 @@ struct Row {
   std::optional<double> frac_gemm;         // tflops / ceilings.gemm_tflops
   std::optional<double> frac_copy;         // gbps / ceilings.copy_gbps
   std::optional<double> speedup_vs_naive;  // naive time / this kernel's time
+  std::optional<double> plan_us;           // plan_decode, median (not part of time_us)
   double max_rel_err = 0;
   double tolerance = 0;
   int64_t rows_checked = 0;

@@ -43,34 +43,52 @@ namespace {
 
 constexpr int kPlanThreads = 1024;
 
-// Exclusive scan of one value per thread across the CTA; `total` gets the sum of all values.
-template <typename V>
-__device__ V block_exclusive_scan(V value, V* warp_sums /* [33] */, V& total) {
+// Exclusive scan of one value per thread across the CTA under an associative, commutative `op`
+// with `identity`; `total` gets the reduction of all values.
+template <typename V, typename Op>
+__device__ V block_exclusive_scan(V value, V identity, Op op, V* warp_sums /* [33] */, V& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   V inclusive = value;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
     const V up = __shfl_up_sync(0xffffffffu, inclusive, off);
-    if (lane >= off) inclusive += up;
+    if (lane >= off) inclusive = op(up, inclusive);
   }
+  V exclusive = __shfl_up_sync(0xffffffffu, inclusive, 1);
+  if (lane == 0) exclusive = identity;
   if (lane == 31) warp_sums[warp] = inclusive;
   __syncthreads();
   if (warp == 0) {
-    const V w = lane < kPlanThreads / 32 ? warp_sums[lane] : V(0);
+    const V w = lane < kPlanThreads / 32 ? warp_sums[lane] : identity;
     V w_inclusive = w;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
       const V up = __shfl_up_sync(0xffffffffu, w_inclusive, off);
-      if (lane >= off) w_inclusive += up;
+      if (lane >= off) w_inclusive = op(up, w_inclusive);
     }
-    warp_sums[lane] = w_inclusive - w;
+    V w_exclusive = __shfl_up_sync(0xffffffffu, w_inclusive, 1);
+    if (lane == 0) w_exclusive = identity;
+    warp_sums[lane] = w_exclusive;
     if (lane == 31) warp_sums[32] = w_inclusive;
   }
   __syncthreads();
-  const V result = warp_sums[warp] + inclusive - value;
+  const V result = op(warp_sums[warp], exclusive);
   total = warp_sums[32];
   __syncthreads();  // warp_sums may be reused by the next scan
   return result;
+}
+
+struct Plus {
+  template <typename V>
+  __device__ V operator()(V a, V b) const { return a + b; }
+};
+struct Max {
+  __device__ int operator()(int a, int b) const { return max(a, b); }
+};
+
+template <typename V>
+__device__ V block_exclusive_sum(V value, V* warp_sums, V& total) {
+  return block_exclusive_scan(value, V(0), Plus{}, warp_sums, total);
 }
 
 // The parts a unit spans on the cost line, after snapping cuts near its edges.
@@ -141,7 +159,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   __syncthreads();
   atomicMax(&max_unit_cost, my_max);
   long long total_cost = 0;
-  const long long cost_base = block_exclusive_scan(my_cost, scan64, total_cost);  // syncs
+  const long long cost_base = block_exclusive_sum(my_cost, scan64, total_cost);  // syncs
   const long long even = (total_cost + parts - 1) / parts;
   long long payload = even < kMinBlocksPerPart ? kMinBlocksPerPart : even;
   if (4LL * max_unit_cost <= 5LL * even && max_unit_cost > payload) payload = max_unit_cost;
@@ -153,6 +171,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
 
   // Pass 2: items, split units and slots of this thread's units.
   int my_items = 0, my_splits = 0, my_slots = 0;
+  int my_last_part = -1;  // part of this thread's last item
   {
     long long pos = cost_base;
     for (int b = b_begin; b < b_end; ++b) {
@@ -164,6 +183,9 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
         if (nb > 0) {
           const UnitSpan span = unit_span(pos, pos + kOverheadBlocks + nb, payload, snap, parts);
           pieces = span.part_last - span.part_first + 1;
+          my_last_part = span.part_last;
+        } else {
+          my_last_part = part_of(pos);
         }
         my_items += pieces;
         if (pieces > 1) {
@@ -175,9 +197,21 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
     }
   }
   int num_items = 0, num_splits = 0, num_slots = 0;
-  const int item_base = block_exclusive_scan(my_items, scan32, num_items);
-  const int split_base = block_exclusive_scan(my_splits, scan32, num_splits);
-  const int slot_base = block_exclusive_scan(my_slots, scan32, num_slots);
+  const int item_base = block_exclusive_sum(my_items, scan32, num_items);
+  const int split_base = block_exclusive_sum(my_splits, scan32, num_splits);
+  const int slot_base = block_exclusive_sum(my_slots, scan32, num_slots);
+  // Item parts never decrease along the list, so the part of the last item before this thread's
+  // first is the largest last part of the threads before it (-1: none).
+  int last_part = -1;
+  int prev_part = block_exclusive_scan(my_last_part, -1, Max{}, scan32, last_part);
+  const int stored_items = min(num_items, pp.max_items);
+  // CTA p runs items [part_begin[p], part_begin[p + 1]): the first item of part >= p. The thread
+  // that writes an item whose part q is past the previous item's part sets part_begin for the
+  // parts in between; the parts after the last item's begin at the end of the list.
+  auto begin_parts = [&](int item_index, int part) {
+    for (int x = prev_part + 1; x <= part; ++x) pp.part_begin[x] = min(item_index, stored_items);
+    prev_part = max(prev_part, part);
+  };
 
   // Pass 3: write the items and split units.
   {
@@ -191,6 +225,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
         const long long first = pos + kOverheadBlocks;
         if (c.blocks == 0) {
           if (item < pp.max_items) pp.items[item] = WorkItem{b, t, 0, 0, -1, part_of(pos), 0, 0};
+          begin_parts(item, part_of(pos));
           ++item;
         } else {
           const long long end = first + c.blocks;
@@ -209,6 +244,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
             w.slot = pieces > 1 ? slot + (q - part_first) : -1;
             w.part = q;
             if (item < pp.max_items) pp.items[item] = w;
+            begin_parts(item, q);
             ++item;
           }
           if (pieces > 1) {
@@ -221,19 +257,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
       }
     }
   }
-  __syncthreads();  // items visible to the whole CTA
-
-  // CTA p runs items [part_begin[p], part_begin[p + 1]): the first item of part >= p.
-  const int stored_items = min(num_items, pp.max_items);
-  for (int q = tid; q <= parts; q += kPlanThreads) {
-    int lo = 0, hi = stored_items;
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (pp.items[mid].part < q) lo = mid + 1;
-      else hi = mid;
-    }
-    pp.part_begin[q] = q == parts ? stored_items : lo;
-  }
+  for (int x = last_part + 1 + tid; x <= parts; x += kPlanThreads) pp.part_begin[x] = stored_items;
   if (tid == 0) {
     ScheduleHeader h{};
     h.magic = kScheduleMagic;

@@ -1,0 +1,133 @@
+// plan_decode's schedule, read back from the workspace: every CTA's item range holds exactly the
+// items planned for it, and every unit's keys are covered once, in order, by its pieces. (The
+// decode tests check the results; a schedule that ran an item twice or not at all could still
+// give correct-looking outputs in some cases, so the structure is checked here directly.)
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "cuda/decode/decode_params.cuh"
+#include "gpu_util.hpp"
+#include "mla/schedule.hpp"
+
+namespace mla::test {
+namespace {
+
+using cuda::decode::kScheduleMagic;
+using cuda::decode::ScheduleHeader;
+using cuda::decode::WorkItem;
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(size_t bytes) {
+    if (cudaMalloc(&ptr, std::max<size_t>(bytes, 1)) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+};
+
+template <typename T>
+std::vector<T> download(const void* base, size_t offset, size_t count) {
+  std::vector<T> v(count);
+  if (count > 0 &&
+      cudaMemcpy(v.data(), static_cast<const char*>(base) + offset, count * sizeof(T),
+                 cudaMemcpyDeviceToHost) != cudaSuccess)
+    v.clear();
+  return v;
+}
+
+// Plans kv_lens (q_len queries per request) and checks the schedule's structure. With q_len 1
+// every row tile sees all kv_len keys, so the pieces of each unit must tile [0, kv_len) exactly.
+void check_plan(const std::vector<int>& kv_lens, int heads, int q_len, int num_parts) {
+  SCOPED_TRACE("batch " + std::to_string(kv_lens.size()) + ", heads " + std::to_string(heads) +
+               ", q_len " + std::to_string(q_len) + ", num_parts " + std::to_string(num_parts));
+  const int batch = int(kv_lens.size());
+  const size_t bytes = decode_workspace_bytes(batch, q_len, heads, num_parts);
+  DeviceBuffer ws(bytes), lens(sizeof(int) * kv_lens.size());
+  ASSERT_NE(ws.ptr, nullptr);
+  ASSERT_NE(lens.ptr, nullptr);
+  MLA_TEST_CUDA(cudaMemcpy(lens.ptr, kv_lens.data(), sizeof(int) * kv_lens.size(), cudaMemcpyHostToDevice));
+  // Poison the workspace: every array must be written by the plan.
+  MLA_TEST_CUDA(cudaMemset(ws.ptr, 0xff, bytes));
+  const DecodeSchedule s = make_decode_schedule(ws.ptr, bytes, batch, q_len, heads, num_parts);
+  int device = 0;
+  MLA_TEST_CUDA(cudaGetDevice(&device));
+  const TensorView lens_view =
+      TensorView::contiguous(lens.ptr, DType::kInt32, {batch}, Device::cuda(device));
+  plan_decode(s, lens_view, TensorView{}, q_len, q_len);
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
+
+  const std::vector<ScheduleHeader> header = download<ScheduleHeader>(ws.ptr, s.header_offset, 1);
+  ASSERT_EQ(header.size(), 1u);
+  const ScheduleHeader h = header[0];
+  ASSERT_EQ(h.magic, kScheduleMagic);
+  ASSERT_GE(h.lanes, 1);
+  ASSERT_GT(h.num_items, 0);
+  ASSERT_LE(h.num_items, s.max_items);
+  const int parts = s.num_parts / h.lanes;
+  const std::vector<WorkItem> items = download<WorkItem>(ws.ptr, s.items_offset, size_t(h.num_items));
+  const std::vector<int> begin = download<int>(ws.ptr, s.part_begin_offset, size_t(parts) + 1);
+  ASSERT_EQ(begin.size(), size_t(parts) + 1);
+
+  // part_begin: 0, non-decreasing, num_items; the items of part p are exactly [begin[p], begin[p+1]).
+  EXPECT_EQ(begin[0], 0);
+  EXPECT_EQ(begin[size_t(parts)], h.num_items);
+  for (int p = 0; p < parts; ++p) {
+    ASSERT_LE(begin[size_t(p)], begin[size_t(p) + 1]) << "part " << p;
+    for (int i = begin[size_t(p)]; i < begin[size_t(p) + 1]; ++i)
+      ASSERT_EQ(items[size_t(i)].part, p) << "item " << i << " listed under part " << p;
+  }
+
+  // Pieces of each unit (request, row tile): contiguous key ranges from 0, in list order; a slot
+  // exactly when the unit has several pieces.
+  std::map<std::pair<int, int>, std::vector<WorkItem>> units;
+  for (const WorkItem& w : items) {
+    ASSERT_GE(w.request, 0);
+    ASSERT_LT(w.request, batch);
+    units[{w.request, w.row_tile}].push_back(w);
+  }
+  const int tiles_per_request = int(units.size()) / std::max(batch, 1);
+  EXPECT_EQ(units.size(), size_t(batch) * size_t(tiles_per_request)) << "every request, every row tile";
+  for (const auto& [key, pieces] : units) {
+    SCOPED_TRACE("request " + std::to_string(key.first) + ", row tile " + std::to_string(key.second));
+    EXPECT_EQ(pieces.front().kv_begin, 0);
+    for (size_t i = 1; i < pieces.size(); ++i) {
+      EXPECT_EQ(pieces[i].kv_begin, pieces[i - 1].kv_end) << "piece " << i;
+      EXPECT_LE(pieces[i - 1].part, pieces[i].part);
+    }
+    for (const WorkItem& w : pieces) {
+      EXPECT_LE(w.kv_begin, w.kv_end);
+      EXPECT_EQ(w.slot < 0, pieces.size() == 1);
+    }
+    if (q_len == 1) EXPECT_EQ(pieces.back().kv_end, kv_lens[size_t(key.first)]);
+  }
+}
+
+TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
+  MLA_REQUIRE_GPU();
+  std::mt19937 rng(7);
+  auto lengths = [&](int batch, int max_len, int min_len = 0) {
+    std::vector<int> v(static_cast<size_t>(batch));
+    for (int& x : v) x = min_len + int(rng() % uint32_t(max_len - min_len + 1));
+    return v;
+  };
+  for (int heads : {16, 128}) {
+    for (int num_parts : {0, 1, 7, 132, 300}) {
+      check_plan({16384}, heads, 1, num_parts);           // one long request: split everywhere
+      check_plan({1}, heads, 1, num_parts);
+      check_plan({0, 5, 0}, heads, 1, num_parts);         // empty requests still get an item
+      check_plan(lengths(256, 5000), heads, 1, num_parts);
+      check_plan(lengths(1100, 3000), heads, 1, num_parts);  // more requests than plan threads
+      check_plan(std::vector<int>(64, 4096), heads, 1, num_parts);
+      check_plan(lengths(33, 20000, 2), heads, 2, num_parts);
+      check_plan(lengths(5, 70000, 3), heads, 3, num_parts);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mla::test
