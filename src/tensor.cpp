@@ -1,6 +1,5 @@
 #include "mla/tensor.hpp"
 
-
 #include "mla/error.hpp"
 
 namespace mla {

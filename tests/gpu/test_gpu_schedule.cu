@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <random>
 #include <utility>
@@ -22,21 +23,11 @@ using cuda::decode::kScheduleMagic;
 using cuda::decode::ScheduleHeader;
 using cuda::decode::WorkItem;
 
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) {
-    if (cudaMalloc(&ptr, std::max<size_t>(bytes, 1)) != cudaSuccess) ptr = nullptr;
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-};
-
+// `count` values of T at byte `offset` of a downloaded buffer.
 template <typename T>
-std::vector<T> download(const void* base, size_t offset, size_t count) {
+std::vector<T> read_at(const HostTensor& h, size_t offset, size_t count) {
   std::vector<T> v(count);
-  if (count > 0 &&
-      cudaMemcpy(v.data(), static_cast<const char*>(base) + offset, count * sizeof(T),
-                 cudaMemcpyDeviceToHost) != cudaSuccess)
-    v.clear();
+  if (count > 0) std::memcpy(v.data(), h.bytes.data() + offset, count * sizeof(T));
   return v;
 }
 
@@ -47,21 +38,19 @@ void check_plan(const std::vector<int>& kv_lens, int heads, int q_len, int num_p
                ", q_len " + std::to_string(q_len) + ", num_parts " + std::to_string(num_parts));
   const int batch = int(kv_lens.size());
   const size_t bytes = decode_workspace_bytes(batch, q_len, heads, num_parts);
-  DeviceBuffer ws(bytes), lens(sizeof(int) * kv_lens.size());
-  ASSERT_NE(ws.ptr, nullptr);
-  ASSERT_NE(lens.ptr, nullptr);
-  MLA_TEST_CUDA(cudaMemcpy(lens.ptr, kv_lens.data(), sizeof(int) * kv_lens.size(), cudaMemcpyHostToDevice));
-  // Poison the workspace: every array must be written by the plan.
-  MLA_TEST_CUDA(cudaMemset(ws.ptr, 0xff, bytes));
+  ASSERT_EQ(bytes % 4, 0u);
+  // The workspace, poisoned: every array must be written by the plan.
+  HostTensor ws_host(DType::kInt32, {int64_t(bytes / 4)});
+  std::memset(ws_host.data(), 0xff, bytes);
+  DeviceTensor ws(ws_host);
+  HostTensor lens_host = int32_tensor(kv_lens);
+  DeviceTensor lens(lens_host);
   const DecodeSchedule s = make_decode_schedule(ws.ptr, bytes, batch, q_len, heads, num_parts);
-  int device = 0;
-  MLA_TEST_CUDA(cudaGetDevice(&device));
-  const TensorView lens_view =
-      TensorView::contiguous(lens.ptr, DType::kInt32, {batch}, Device::cuda(device));
-  plan_decode(s, lens_view, TensorView{}, q_len, q_len);
+  plan_decode(s, lens.view(), TensorView{}, q_len, q_len);
   MLA_TEST_CUDA(cudaDeviceSynchronize());
+  ws.download();
 
-  const std::vector<ScheduleHeader> header = download<ScheduleHeader>(ws.ptr, s.header_offset, 1);
+  const std::vector<ScheduleHeader> header = read_at<ScheduleHeader>(ws_host, s.header_offset, 1);
   ASSERT_EQ(header.size(), 1u);
   const ScheduleHeader h = header[0];
   ASSERT_EQ(h.magic, kScheduleMagic);
@@ -69,8 +58,8 @@ void check_plan(const std::vector<int>& kv_lens, int heads, int q_len, int num_p
   ASSERT_GT(h.num_items, 0);
   ASSERT_LE(h.num_items, s.max_items);
   const int parts = s.num_parts / h.lanes;
-  const std::vector<WorkItem> items = download<WorkItem>(ws.ptr, s.items_offset, size_t(h.num_items));
-  const std::vector<int> begin = download<int>(ws.ptr, s.part_begin_offset, size_t(parts) + 1);
+  const std::vector<WorkItem> items = read_at<WorkItem>(ws_host, s.items_offset, size_t(h.num_items));
+  const std::vector<int> begin = read_at<int>(ws_host, s.part_begin_offset, size_t(parts) + 1);
   ASSERT_EQ(begin.size(), size_t(parts) + 1);
 
   // part_begin: 0, non-decreasing, num_items; the items of part p are exactly [begin[p], begin[p+1]).
