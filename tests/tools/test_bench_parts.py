@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""mla-bench --part K/N and bench/merge_results.py: the parts of a sweep together run every case
+once, with the results of the whole run (same seeds), and merge into one file; bad --part values
+and runs of different cards are rejected with a message.
+
+    python3 tests/tools/test_bench_parts.py MLA_BENCH MERGE_RESULTS_PY
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def run(cmd, expect_rc=0):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != expect_rc:
+        sys.exit(f"FAIL: {cmd} exited {r.returncode}, expected {expect_rc}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def main(bench, merge):
+    common = ["--device", "cpu", "--sweep", "default", "--op", "decode", "--warmup", "0", "--iters", "1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = os.path.join(tmp, "whole.json")
+        run([bench, *common, "--json", whole])
+        parts = []
+        for k in (1, 2, 3):
+            path = os.path.join(tmp, f"part{k}.json")
+            run([bench, *common, "--part", f"{k}/3", "--json", path])
+            parts.append(path)
+        merged = os.path.join(tmp, "merged.json")
+        run([sys.executable, merge, *parts, "--out", merged])
+
+        w = json.load(open(whole))
+        m = json.load(open(merged))
+        key = lambda r: (r["kernel"], r["heads"], r["batch"], r["kv_len"], r["q_len"], r["page_size"], r["kv_dtype"])
+        assert [key(r) for r in m["rows"]] == [key(r) for r in w["rows"]], "parts must cover the sweep once, in order"
+        # Same seeds as the whole run: the same inputs, so the same outputs and errors.
+        assert [r["max_rel_err"] for r in m["rows"]] == [r["max_rel_err"] for r in w["rows"]]
+        assert [r["part"] for r in m["runs"]] == ["1/3", "2/3", "3/3"], m["runs"]
+        assert sorted({r["run"] for r in m["rows"]}) == [0, 1, 2]
+        assert all(json.load(open(p))["part"] == f"{k}/3" for k, p in enumerate(parts, 1))
+        assert "part" not in w
+
+        # Bad --part values: usage errors (exit 2) that say what was expected.
+        for bad, message in (("4/3", "--part K expects an integer in [1, 3], got '4'"),
+                             ("0/3", "--part K expects an integer in [1, 3], got '0'"),
+                             ("3", "--part expects K/N, got '3'"),
+                             ("1/0", "--part N expects an integer in [1, 1000000], got '0'"),
+                             ("2/9", "--part 2/9 selects none of the 4 cases")):
+            r = run([bench, *common, "--part", bad], expect_rc=2)
+            assert message in r.stderr, f"--part {bad}: {r.stderr!r}"
+
+        # Runs of different cards are not merged.
+        other = os.path.join(tmp, "other.json")
+        data = json.load(open(parts[1]))
+        data["card"] = "another card"
+        json.dump(data, open(other, "w"))
+        r = run([sys.executable, merge, parts[0], other, "--out", os.path.join(tmp, "x.json")], expect_rc=1)
+        assert "card 'another card' differs" in r.stderr, r.stderr
+    print("bench parts: ok")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
