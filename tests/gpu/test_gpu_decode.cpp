@@ -26,6 +26,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <tuple>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -995,10 +996,19 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
   EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"DecodeKernel::kHopper"}));
   if (hopper_expected()) {
     EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"kv_cache is fp8e4m3", "not bf16 or fp16"}));
-    DecodeCase b = fixed(16, 64, {5, 9});
-    const DecodeData bd = make_data(b);
-    DeviceData bdev(bd);
-    EXPECT_STREQ(mla_decode_kernel_name(bdev.args(bd)), "sm90-wgmma");
+    // kAuto: the Hopper kernel from 17 query rows a request on; the portable one at 16 or fewer
+    // (where it is faster), unless kHopper asks for it.
+    for (const auto& [heads, q_len, name] : {std::tuple{16, 2, "sm90-wgmma"}, std::tuple{128, 1, "sm90-wgmma"},
+                                             std::tuple{16, 1, "sm80-mma"}, std::tuple{8, 2, "sm80-mma"},
+                                             std::tuple{3, 6, "sm90-wgmma"}}) {
+      DecodeCase b = fixed(heads, 64, {5, 9}, q_len);
+      const DecodeData bd = make_data(b);
+      DeviceData bdev(bd);
+      EXPECT_STREQ(mla_decode_kernel_name(bdev.args(bd)), name) << heads << " heads, q_len " << q_len;
+      MlaDecodeArgs forced = bdev.args(bd);
+      forced.kernel = DecodeKernel::kHopper;
+      EXPECT_STREQ(mla_decode_kernel_name(forced), "sm90-wgmma") << heads << " heads, q_len " << q_len;
+    }
   }
   MLA_TEST_CUDA(cudaDeviceSynchronize());
 }

@@ -90,12 +90,21 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 #endif
 }
 
+// Query rows per request at or below which kAuto keeps the portable kernel: the Hopper kernel
+// computes 64-row tiles, and with 16 rows (16 heads, one query) it measured 0-15 % slower on an
+// H200 (docs/perf-notes.md); from 32 rows on it is as fast or faster.
+constexpr int64_t kHopperMinRows = 17;
+
 bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
   if (args.kernel == DecodeKernel::kPortable) return false;
   const std::string why = hopper_mismatch(args, q);
   MLA_CHECK(args.kernel != DecodeKernel::kHopper || why.empty(),
             "mla_decode: kernel = DecodeKernel::kHopper, but ", why);
-  return why.empty();
+  if (!why.empty()) return false;
+  if (args.kernel == DecodeKernel::kHopper) return true;
+  const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;
+  const int64_t max_q_len = args.cu_q_lens.empty() ? args.q_len : args.max_q_len;
+  return int64_t(max_q_len) * (q_main.ndim >= 2 ? q_main.shape[1] : 1) >= kHopperMinRows;
 }
 
 }  // namespace

@@ -122,10 +122,41 @@ __device__ __forceinline__ UnitCost unit_cost(const RequestGeometry& g, int tile
   return {(visible + kBlockN - 1) / kBlockN, visible};
 }
 
+// A split unit's piece q: the blocks between the cuts that bound part q (the unit's edges for its
+// end parts), as work item `item`.
+struct SplitPieces {
+  long long first;  // cost-line position of the unit's first key block
+  int request, row_tile, blocks, kv_end;
+  int part_first, part_last, slot, item;
+};
+__device__ __forceinline__ void write_piece(const PlanParams& pp, const SplitPieces& u, int q,
+                                            long long payload) {
+  const int pieces = u.part_last - u.part_first + 1;
+  const long long lo = q == u.part_first ? 0 : q * payload - u.first;
+  const long long hi = q == u.part_last ? u.blocks : (q + 1) * payload - u.first;
+  WorkItem w{};
+  w.request = u.request;
+  w.row_tile = u.row_tile;
+  w.kv_begin = int(lo) * kBlockN;
+  w.kv_end = min(int(hi) * kBlockN, u.kv_end);
+  w.slot = pieces > 1 ? u.slot + (q - u.part_first) : -1;
+  w.part = q;
+  const int item = u.item + (q - u.part_first);
+  if (item < pp.max_items) pp.items[item] = w;
+}
+
+// Units of more than kLongUnitPieces pieces (a long request over many CTAs) are written by the
+// whole CTA after pass 3, not by the one thread that owns them: one thread writing 60+ items in
+// series is what a batch-1 plan would otherwise wait for. Up to kLongUnitQueue of them a plan.
+constexpr int kLongUnitPieces = 8;
+constexpr int kLongUnitQueue = 64;
+
 __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_constant__ PlanParams pp) {
   __shared__ long long scan64[33];
   __shared__ int scan32[33];
   __shared__ int max_unit_cost;
+  __shared__ SplitPieces long_units[kLongUnitQueue];
+  __shared__ int num_long_units;
   const int tid = threadIdx.x;
   const int batch = pp.layout.batch_size;
   const int num_heads = pp.layout.num_heads;
@@ -144,7 +175,10 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   const int b_end = min(batch, b_begin + per_thread);
 
   // Pass 1: cost of this thread's units, and the largest unit.
-  if (tid == 0) max_unit_cost = 0;
+  if (tid == 0) {
+    max_unit_cost = 0;
+    num_long_units = 0;
+  }
   long long my_cost = 0;
   int my_max = 0;
   for (int b = b_begin; b < b_end; ++b) {
@@ -230,23 +264,25 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
         } else {
           const long long end = first + c.blocks;
           const UnitSpan span = unit_span(pos, end, payload, snap, parts);
-          const int part_first = span.part_first, part_last = span.part_last;
-          const int pieces = part_last - part_first + 1;
-          for (int q = part_first; q <= part_last; ++q) {
-            // Blocks between the cuts that bound part q (the unit's edges for its end parts).
-            const long long lo = q == part_first ? 0 : q * payload - first;
-            const long long hi = q == part_last ? c.blocks : (q + 1) * payload - first;
-            WorkItem w{};
-            w.request = b;
-            w.row_tile = t;
-            w.kv_begin = int(lo) * kBlockN;
-            w.kv_end = min(int(hi) * kBlockN, c.kv_end);
-            w.slot = pieces > 1 ? slot + (q - part_first) : -1;
-            w.part = q;
-            if (item < pp.max_items) pp.items[item] = w;
-            begin_parts(item, q);
-            ++item;
+          const SplitPieces u{first, b, t, c.blocks, c.kv_end, span.part_first, span.part_last,
+                              slot, item};
+          const int pieces = span.part_last - span.part_first + 1;
+          int queued = -1;
+          if (pieces > kLongUnitPieces) {
+            queued = atomicAdd(&num_long_units, 1);
+            if (queued < kLongUnitQueue) long_units[queued] = u;
           }
+          if (queued >= 0 && queued < kLongUnitQueue) {
+            // Written after pass 3 (items and part_begin of parts part_first + 1 .. part_last).
+            begin_parts(item, span.part_first);
+            prev_part = span.part_last;
+          } else {
+            for (int q = span.part_first; q <= span.part_last; ++q) {
+              write_piece(pp, u, q, payload);
+              begin_parts(item + (q - span.part_first), q);
+            }
+          }
+          item += pieces;
           if (pieces > 1) {
             if (split < pp.max_split_units) pp.split_units[split] = SplitUnit{b, t, slot, pieces};
             ++split;
@@ -258,6 +294,15 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
     }
   }
   for (int x = last_part + 1 + tid; x <= parts; x += kPlanThreads) pp.part_begin[x] = stored_items;
+  __syncthreads();  // the queue of long units is complete
+  const int queued_units = min(num_long_units, kLongUnitQueue);
+  for (int i = 0; i < queued_units; ++i) {
+    const SplitPieces& u = long_units[i];
+    for (int q = u.part_first + tid; q <= u.part_last; q += kPlanThreads) {
+      write_piece(pp, u, q, payload);
+      if (q > u.part_first) pp.part_begin[q] = min(u.item + (q - u.part_first), stored_items);
+    }
+  }
   if (tid == 0) {
     ScheduleHeader h{};
     h.magic = kScheduleMagic;
