@@ -1,31 +1,39 @@
 // mla_decode on Hopper (sm_90a): TMA loads of the paged latent cache through an mbarrier
-// pipeline, warpgroup MMA (wgmma) for Q K^T and P V, warp-specialised.
+// pipeline, warpgroup MMA (wgmma) for Q K^T and P V, warp-specialised, with the two consumer
+// warpgroups alternating key tiles ("seesaw") so that one's softmax overlaps the other's MMAs.
 //
 // Same work decomposition, schedule, partial-result slots and combine kernel as the portable
 // kernel (decode_kernel.cuh): one CTA runs work items of (request, row tile of up to 64 rows,
 // key range), persistent over its list when a schedule is given. Rows past the tile's valid rows
 // are computed on zeros and never written.
 //
-// CTA = 3 warpgroups (384 threads):
-//   WG0  producer: one thread walks the same items and key tiles as the consumers and issues, per
-//        64-key tile, 9 TMA boxes of 64 keys x 64 dims (fewer keys per box for pages < 64)
-//        into a 2-stage ring, each stage guarded by a full (TMA bytes) and an empty barrier.
-//        Page ids come from the block table; keys past the item's range and pages that are not
-//        in the pool get out-of-bounds coordinates, which TMA fills with zeros.
-//   WG1  scores + left half: S = Q K^T (64 x 64, K = 576; 36 wgmma m64n64k16, both operands in
-//        shared memory), mask, online softmax in registers (each thread owns 2 rows x 16 keys;
-//        row reductions are quad shuffles), P to shared memory for WG2 and the per-row rescale
-//        factor; then O[:, 0:256] = alpha O + P V[:, 0:256] (wgmma m64n256k16, P from registers).
-//   WG2  right half: O[:, 256:512] = alpha O + P V[:, 256:512] (P and V from shared memory).
-// WG2 lags WG1 by less than a tile, so its P V overlaps WG1's next Q K^T on the tensor cores.
+// CTA = 3 warpgroups (384 threads). Key tiles of 64 go in pairs: the even tile of a pair to
+// stage 0, the odd one to stage 1. A stage holds 9 boxes of 64 keys x 64 dims in three groups,
+// each with its own full (TMA bytes) and empty barrier: L = dims 0..255 (boxes 0-3), R = dims
+// 256..511 (boxes 4-7), PE = dims 512..575 (box 8).
+//   WG0  producers: thread 0 loads the even tiles into stage 0 (groups L, R, PE in that order),
+//        thread 32 the odd tiles into stage 1 (R, L, PE): each group as soon as it is released.
+//   WG1  owns O[:, 0:256] and the even tiles' scores; WG2 owns O[:, 256:512] and the odd ones'.
+//        With m the running row max (shared), per pair (tiles 0 and 1 of the pair):
+//          WG1: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); c0 = exp2(m - m0)
+//               -> m0, c0 to WG2;                   O_L = c0 O_L + P0 V0_L
+//          WG2: S1 = Q K1^T; m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1); c1 = exp2(m0 - m1)
+//               -> P1 (in stage 1's PE box), m1, c1 to WG1;  O_R = c0 c1 O_R + P1 V1_R
+//          WG1: c1 P0 (in stage 0's PE box) -> WG2; O_L = c1 O_L + P1 V1_L
+//          WG2: O_R += (c1 P0) V0_R
+//        The PE boxes hold the exchanged P once the scores are done, so Q and both stages fit.
+//        Row sums are kept per warpgroup (even / odd tiles, each at the current max) and added
+//        at the end.
+// Released groups: stage 0's L by WG1 after P0 V0_L, R and PE by WG2 after (c1 P0) V0_R;
+// stage 1's R by WG2 after P1 V1_R, L and PE by WG1 after P1 V1_L.
 //
-// Shared memory (bytes): Q 73,728 | K/V 2 x 73,728 | P 8,192 | alpha, 1/l 512 | barriers, all
-// 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
+// Shared memory (bytes): Q 73,728 | 2 stages x 73,728 | row max / scale / row-sum exchange 1,536 |
+// barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
 //
 // Numerics match the portable kernel: fp32 scores in the exp2 domain, P rounded to the compute
-// dtype before P V, row sums of the rounded values, natural-log LSE. Keys of the last tile past
-// the item's range are masked out of S and zeroed in shared memory before P V, so NaN in unused
-// cache slots never reaches the output.
+// dtype before P V, row sums of the rounded values, natural-log LSE (c1 P0 is rounded again for
+// the right half). Keys of the last tile past the item's range are masked out of S and their V
+// rows zeroed in shared memory before P V, so NaN in unused cache slots never reaches the output.
 #include "cuda/decode/decode_hopper.hpp"
 
 #include <cuda.h>
@@ -48,28 +56,46 @@ using namespace mla::cuda::sm90;
 
 constexpr int kHopperThreads = 384;
 constexpr int kStages = 2;
-constexpr int kBoxBytes = 64 * 128;               // 64 rows x 64 16-bit values
-constexpr int kDimBoxes = kHeadDim / 64;          // 9 boxes per 576-wide tile
+constexpr int kGroups = 3;                         // L, R, PE
+constexpr int kGroupL = 0, kGroupR = 1, kGroupPe = 2;
+constexpr int kBoxBytes = 64 * 128;                // 64 rows x 64 16-bit values
+constexpr int kDimBoxes = kHeadDim / 64;           // 9 boxes per 576-wide tile
 constexpr int kTileBytes = kDimBoxes * kBoxBytes;  // 73,728
+constexpr int kPeBox = 8;                          // box of dims 512..575; P once the scores are done
 constexpr uint64_t kEvictNormal = 0x1000000000000000ull;
 
-// Named barriers (0 is __syncthreads). Both consumer warpgroups pass the same sequence of them
-// (bar.sync on both sides): per item ITEM, ITEM, then per tile t [P_EMPTY if t > 0 (WG1 before
-// writing P) / if t < last (WG2 after its P V)], P_FULL, and EPI at the end.
-constexpr int kBarItem = 1;    // item start / Q ready
-constexpr int kBarPFull = 2;   // WG1 -> WG2: P and alpha of a tile written
-constexpr int kBarPEmpty = 3;  // WG2 -> WG1: WG2 is done with P and alpha
-constexpr int kBarEpi = 4;     // WG1 -> WG2: 1/l of the item written
+__host__ __device__ constexpr int group_first_box(int g) { return g * 4; }
+__host__ __device__ constexpr int group_boxes(int g) { return g == kGroupPe ? 1 : 4; }
+// Load (and score) order of a stage's groups: the group released first comes first.
+__host__ __device__ constexpr int group_order(int stage, int i) {
+  return i == 2 ? kGroupPe : (stage == 0 ? (i == 0 ? kGroupL : kGroupR) : (i == 0 ? kGroupR : kGroupL));
+}
+
+// Named barriers (0 is __syncthreads). kBarItem and kBarEpi are passed (bar.sync) by both
+// consumer warpgroups; the exchange barriers are arrived at by the writer and waited on by the
+// reader. A writer cannot arrive twice at one before the reader's wait: the next pair's
+// arrival depends on the reader through the other exchange or through the stage the reader
+// releases (see the comment in run_left).
+constexpr int kBarItem = 1;   // item start / Q ready
+constexpr int kBarM0 = 2;     // WG1 -> WG2: m0, c0 of the pair
+constexpr int kBarM1 = 3;     // WG2 -> WG1: P1, m1, c1 of the pair
+constexpr int kBarP0 = 4;     // WG1 -> WG2: c1 P0 of the pair
+constexpr int kBarEpi = 5;    // both: row sums of the item written
+constexpr int kBarLeft = 6;   // WG1 alone
+constexpr int kBarRight = 7;  // WG2 alone
 
 struct SmemLayout {
   static constexpr int q = 0;
   static constexpr int k = q + kTileBytes;
-  static constexpr int p = k + kStages * kTileBytes;
-  static constexpr int alpha = p + kBoxBytes;
-  static constexpr int inv_l = alpha + 64 * 4;
-  static constexpr int full = inv_l + 64 * 4;
-  static constexpr int empty = full + kStages * 8;
-  static constexpr int end = empty + kStages * 8;
+  static constexpr int m0 = k + kStages * kTileBytes;  // 6 arrays of 64 floats
+  static constexpr int c0 = m0 + 64 * 4;
+  static constexpr int m1 = c0 + 64 * 4;
+  static constexpr int c1 = m1 + 64 * 4;
+  static constexpr int l_even = c1 + 64 * 4;
+  static constexpr int l_odd = l_even + 64 * 4;
+  static constexpr int full = l_odd + 64 * 4;
+  static constexpr int empty = full + kStages * kGroups * 8;
+  static constexpr int end = empty + kStages * kGroups * 8;
   static constexpr int bytes = end + 1024;  // slack to align the base to 1024
 };
 
@@ -82,12 +108,15 @@ struct HopperParams {
 
 #if defined(MLA_SM90A_DEVICE)
 
-// The tile's keys [key0, key0 + 64) -> stage, as 64 / box_rows row groups of 9 boxes each.
-__device__ __forceinline__ void issue_tile(const HopperParams& hp, int request, int key0,
-                                           int kv_end, uint8_t* stage, uint64_t* full) {
+// Group g of the tile's keys [key0, key0 + 64) -> its boxes of the stage, as 64 / box_rows row
+// groups. Page ids come from the block table; keys past kv_end and pages not in the pool get
+// out-of-bounds coordinates, which TMA fills with zeros.
+__device__ __forceinline__ void issue_group(const HopperParams& hp, int request, int key0, int kv_end,
+                                            uint8_t* stage, int g, uint64_t* full) {
   const DecodeParams& p = hp.p;
   const int box_rows = hp.box_rows;
-  mbar_arrive_expect_tx(full, kTileBytes);
+  const int first = group_first_box(g), count = group_boxes(g);
+  mbar_arrive_expect_tx(full, uint32_t(count * kBoxBytes));
   for (int sub = 0; sub < 64; sub += box_rows) {
     const int key = key0 + sub;
     int row = -box_rows;  // wholly out of bounds: zero-filled
@@ -98,9 +127,31 @@ __device__ __forceinline__ void issue_tile(const HopperParams& hp, int request, 
       if (page >= 0 && page < p.num_pages)
         row = (page << p.page_shift) | (key & ((1 << p.page_shift) - 1));
     }
-#pragma unroll
-    for (int c = 0; c < kDimBoxes; ++c)
+    for (int c = first; c < first + count; ++c)
       tma_load_2d(stage + c * kBoxBytes + sub * 128, &hp.kv_map, full, c * 64, row, kEvictNormal);
+  }
+}
+
+// The producer of one stage: walks the CTA's items and loads the tiles t with t % 2 == stage.
+__device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, int begin, int end,
+                             int lane_of_cta) {
+  const DecodeParams& p = hp.p;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full) + stage * kGroups;
+  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty) + stage * kGroups;
+  uint8_t* tile = smem + SmemLayout::k + stage * kTileBytes;
+  prefetch_tensor_map(&hp.kv_map);
+  uint32_t phase = 0;
+  for (int it = begin; it < end; ++it) {
+    const WorkItem item = fetch_item(p, it, lane_of_cta);
+    const ItemRange r = item_range(p.layout, item, hp.block_m);
+    for (int t = stage; t < r.num_tiles; t += 2) {
+      for (int i = 0; i < kGroups; ++i) {
+        const int g = group_order(stage, i);
+        mbar_wait(&empty[g], phase ^ 1);
+        issue_group(hp, item.request, r.kv_begin + t * kBlockN, r.kv_end, tile, g, &full[g]);
+      }
+      phase ^= 1;
+    }
   }
 }
 
@@ -159,237 +210,403 @@ __device__ __forceinline__ void store_o(const DecodeParams& p, const ItemRange& 
   }
 }
 
-template <typename T>
-__device__ void run_consumer_scores(const HopperParams& hp, uint8_t* smem, int begin, int end,
-                                    int lane_of_cta) {
-  const DecodeParams& p = hp.p;
-  const int wt = threadIdx.x - 128;  // thread in WG1
-  const int warp = wt >> 5, lane = wt & 31;
-  const int num_heads = p.layout.num_heads;
-  uint8_t* sq = smem + SmemLayout::q;
-  uint8_t* sp = smem + SmemLayout::p;
-  float* s_alpha = reinterpret_cast<float*>(smem + SmemLayout::alpha);
-  float* s_inv_l = reinterpret_cast<float*>(smem + SmemLayout::inv_l);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
-  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
-  const uint32_t sq_addr = smem_u32(sq);
-  const uint32_t sk_addr = smem_u32(smem + SmemLayout::k);
+// What both consumer warpgroups share for one item: the rows this thread owns and their causal
+// key limits.
+struct RowState {
+  int row_local[2];  // rows warp * 16 + lane / 4 and + 8 of the 64-row tile
+  int key_limit[2];  // last key each row may see (-1: the row does not exist)
+};
 
-  int stage = 0;
-  uint32_t phase = 0;
-  int row_local[2];
-  row_local[0] = warp * 16 + (lane >> 2);
-  row_local[1] = row_local[0] + 8;
+__device__ __forceinline__ RowState row_state(const DecodeParams& p, const ItemRange& r, int wt) {
+  RowState rs;
+  rs.row_local[0] = (wt >> 5) * 16 + ((wt & 31) >> 2);
+  rs.row_local[1] = rs.row_local[0] + 8;
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+    rs.key_limit[j] = rs.row_local[j] < r.valid_rows
+                          ? r.g.kv_len - r.g.q_len + (r.row0 + rs.row_local[j]) / p.layout.num_heads
+                          : -1;
+  return rs;
+}
 
-  for (int it = begin; it < end; ++it) {
-    const WorkItem item = fetch_item(p, it, lane_of_cta);
-    const ItemRange r = item_range(p.layout, item, hp.block_m);
-    if (r.valid_rows <= 0) continue;
-    named_sync(kBarItem, 256);  // WG2 is done with the previous item's shared state
-    if (r.num_tiles > 0) load_q<T>(p, r, sq, wt);
-    fence_proxy_async();
-    named_sync(kBarItem, 256);  // Q visible to both warpgroups and to wgmma
-
-    int key_limit[2];
+// S = Q K^T of the tile in `stage` (64 x 64 over the 576 dims), each group as soon as it lands.
+template <typename T, int kStage>
+__device__ __forceinline__ void tile_scores(uint32_t sq_addr, uint32_t tile_addr, uint64_t* full,
+                                            uint32_t phase, float (&s)[32]) {
+  wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
-      key_limit[j] = row_local[j] < r.valid_rows
-                         ? r.g.kv_len - r.g.q_len + (r.row0 + row_local[j]) / num_heads
-                         : -1;
-    float row_m[2] = {-INFINITY, -INFINITY};
-    float row_l[2] = {0.0f, 0.0f};
-    float o[128];
+  for (int i = 0; i < kGroups; ++i) {
+    const int g = group_order(kStage, i);
+    mbar_wait(&full[kStage * kGroups + g], phase);
 #pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.0f;
-
-    for (int t = 0; t < r.num_tiles; ++t) {
-      const int key0 = r.kv_begin + t * kBlockN;
-      const uint32_t tile = sk_addr + stage * kTileBytes;
-      mbar_wait(&full[stage], phase);
-
-      // S = Q K^T over the 576 dims: 9 boxes x 4 k-slices of 16.
-      float s[32];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * kBoxBytes + (kk & 3) * 32;
-        wgmma_64x64<T>(k_major_desc(sq_addr + off), k_major_desc(tile + off), s, kk > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(s);
-
-      // Mask (causal limit per row, the item's key range) and scale to the exp2 domain.
-      float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = e >> 1;
-          const int key = key0 + n * 8 + 2 * (lane & 3) + (e & 1);
-          const bool seen = key < r.kv_end && key <= key_limit[j];
-          s[4 * n + e] = seen ? s[4 * n + e] * p.score_scale_log2 : -INFINITY;
-          tile_max[j] = fmaxf(tile_max[j], s[4 * n + e]);
-        }
-      }
-      float alpha[2], m_use[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 1));
-        tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 2));
-        const float m_new = fmaxf(row_m[j], tile_max[j]);
-        m_use[j] = m_new == -INFINITY ? 0.0f : m_new;  // no key yet: keep exp2 arguments finite
-        alpha[j] = fast_exp2(row_m[j] - m_use[j]);      // exp2(-inf) = 0 for the first keys
-        row_m[j] = m_new;
-        row_l[j] *= alpha[j];
-      }
-      // P = exp2(S - m) rounded to T; row sums of the rounded values.
-      uint32_t pk[8][2];
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          pk[n][j] = pack2<T>(fast_exp2(s[4 * n + 2 * j] - m_use[j]),
-                              fast_exp2(s[4 * n + 2 * j + 1] - m_use[j]));
-          const float2 rounded = unpack2<T>(pk[n][j]);
-          row_l[j] += rounded.x + rounded.y;
-        }
-      }
-
-      // Keys of a partial last tile past the range: zero their V rows (the cache may hold NaN
-      // there, and 0 * NaN would reach O).
-      const int keys_in_tile = r.kv_end - key0;
-      if (keys_in_tile < kBlockN) {
-        uint8_t* kv = smem + SmemLayout::k + stage * kTileBytes;
-        const int bytes = (kBlockN - keys_in_tile) * 128;
-        for (int idx = wt; idx < (kValueDim / 64) * (bytes / 16); idx += 128) {
-          const int box = idx / (bytes / 16);
-          const int off = keys_in_tile * 128 + (idx - box * (bytes / 16)) * 16;
-          *reinterpret_cast<uint4*>(kv + box * kBoxBytes + off) = make_uint4(0, 0, 0, 0);
-        }
-        fence_proxy_async();
-      }
-
-      // Publish P and alpha to WG2 once it is done with the previous tile's (within an item;
-      // across items the item barrier orders them).
-      if (t > 0) named_sync(kBarPEmpty, 256);
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-          *reinterpret_cast<uint32_t*>(sp + swizzled_offset(row_local[j], n * 8 + 2 * (lane & 3))) =
-              pk[n][j];
-      }
-      if ((lane & 3) == 0) {
-        s_alpha[row_local[0]] = alpha[0];
-        s_alpha[row_local[1]] = alpha[1];
-      }
-      fence_proxy_async();
-      named_sync(kBarPFull, 256);  // also makes the zeroed rows visible to our own wgmma
-
-      // O[:, 0:256] = alpha O + P V[:, 0:256].
-#pragma unroll
-      for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
-        wgmma_64x256_rs<T>(a, mn_major_desc(tile + kk * 16 * 128, kBoxBytes), o);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(o);
-      if (lane == 0) mbar_arrive(&empty[stage]);
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+    for (int kk = 0; kk < 4 * group_boxes(g); ++kk) {
+      const uint32_t off = (group_first_box(g) + (kk >> 2)) * kBoxBytes + (kk & 3) * 32;
+      wgmma_64x64<T>(k_major_desc(sq_addr + off), k_major_desc(tile_addr + off), s, i > 0 || kk > 0);
     }
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_operands(s);
+}
 
-    // Epilogue: row sums over the quad, LSE, 1/l for WG2, this half of the output.
-    float inv_l[2];
+// Masks S (the item's key range, each row's causal limit), scales it to the exp2 domain and
+// returns this thread's part of each row's max (reduced over the quad).
+__device__ __forceinline__ void mask_scores(const DecodeParams& p, const ItemRange& r, const RowState& rs,
+                                            int key0, int lane, float (&s)[32], float (&tile_max)[2]) {
+  tile_max[0] = tile_max[1] = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      row_l[j] += __shfl_xor_sync(0xffffffffu, row_l[j], 1);
-      row_l[j] += __shfl_xor_sync(0xffffffffu, row_l[j], 2);
-      const bool any = row_l[j] > 0.0f;
-      inv_l[j] = any ? p.out_scale / row_l[j] : 0.0f;
-      const float lse = any ? (row_m[j] + log2f(row_l[j])) * 0.69314718055994531f : -INFINITY;
-      if ((lane & 3) == 0) {
-        s_inv_l[row_local[j]] = inv_l[j];
-        if (row_local[j] < r.valid_rows) {
-          if (item.slot >= 0) {
-            p.schedule.partial_lse[int64_t(item.slot) * kMaxBlockM + row_local[j]] = lse;
-          } else if (p.lse != nullptr) {
-            const int rr = r.row0 + row_local[j];
-            p.lse[(r.g.q_start + rr / num_heads) * p.lse_stride_t + (rr % num_heads) * p.lse_stride_h] = lse;
-          }
-        }
-      }
+  for (int n = 0; n < 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = e >> 1;
+      const int key = key0 + n * 8 + 2 * (lane & 3) + (e & 1);
+      const bool seen = key < r.kv_end && key <= rs.key_limit[j];
+      s[4 * n + e] = seen ? s[4 * n + e] * p.score_scale_log2 : -INFINITY;
+      tile_max[j] = fmaxf(tile_max[j], s[4 * n + e]);
     }
-    named_sync(kBarEpi, 256);
-    store_o(p, r, item, o, row_local, inv_l, 0, lane);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 1));
+    tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 2));
   }
 }
 
+// P = exp2(S - m) rounded to T, packed in the accumulator layout; returns the row sums of the
+// rounded values (this thread's part). m = -inf (no key seen yet) is taken as 0.
 template <typename T>
-__device__ void run_consumer_right(const HopperParams& hp, uint8_t* smem, int begin, int end,
-                                   int lane_of_cta) {
+__device__ __forceinline__ void exp_scores(const float (&s)[32], const float (&m)[2], uint32_t (&pk)[8][2],
+                                           float (&sum)[2]) {
+  float m_use[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    m_use[j] = m[j] == -INFINITY ? 0.0f : m[j];
+    sum[j] = 0.0f;
+  }
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      pk[n][j] = pack2<T>(fast_exp2(s[4 * n + 2 * j] - m_use[j]), fast_exp2(s[4 * n + 2 * j + 1] - m_use[j]));
+      const float2 rounded = unpack2<T>(pk[n][j]);
+      sum[j] += rounded.x + rounded.y;
+    }
+  }
+}
+
+// exp2(m_old - m_new) with m_new = -inf taken as 0: the factor that moves sums at m_old to m_new.
+__device__ __forceinline__ float rescale(float m_old, float m_new) {
+  return fast_exp2(m_old - (m_new == -INFINITY ? 0.0f : m_new));
+}
+
+// Writes P (accumulator layout, optionally times a per-row factor) into a swizzled box.
+template <typename T>
+__device__ __forceinline__ void store_p(uint8_t* box, const uint32_t (&pk)[8][2], const RowState& rs,
+                                        const float (&factor)[2], bool scaled, int lane) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint32_t v = pk[n][j];
+      if (scaled) {
+        const float2 f = unpack2<T>(v);
+        v = pack2<T>(f.x * factor[j], f.y * factor[j]);
+      }
+      *reinterpret_cast<uint32_t*>(box + swizzled_offset(rs.row_local[j], n * 8 + 2 * (lane & 3))) = v;
+    }
+  }
+}
+
+// Zeroes rows [keys, 64) of the four boxes at `boxes` (one V half of a partial last tile): the
+// cache may hold NaN there, and 0 * NaN would reach O. Run by one warpgroup (wt = 0..127),
+// followed by a fence and that warpgroup's barrier.
+__device__ __forceinline__ void zero_tail_rows(uint8_t* boxes, int keys, int wt, int bar) {
+  const int chunks = (kBlockN - keys) * 128 / 16;
+  for (int idx = wt; idx < 4 * chunks; idx += 128) {
+    const int box = idx / chunks;
+    *reinterpret_cast<uint4*>(boxes + box * kBoxBytes + keys * 128 + (idx - box * chunks) * 16) =
+        make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  named_sync(bar, 128);
+}
+
+__device__ __forceinline__ void scale_o(float (&o)[128], const float (&c)[2]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] *= c[(i >> 1) & 1];
+}
+
+// O_half += P V_half over one 64-key tile: P from registers (pk) or from a swizzled box (p_addr).
+template <typename T>
+__device__ __forceinline__ void pv_rs(const uint32_t (&pk)[8][2], uint32_t v_addr, float (&o)[128]) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    const uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
+    wgmma_64x256_rs<T>(a, mn_major_desc(v_addr + kk * 16 * 128, kBoxBytes), o);
+  }
+  wgmma_commit();
+}
+template <typename T>
+__device__ __forceinline__ void pv_ss(uint32_t p_addr, uint32_t v_addr, float (&o)[128]) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk)
+    wgmma_64x256_ss<T>(k_major_desc(p_addr + kk * 32), mn_major_desc(v_addr + kk * 16 * 128, kBoxBytes), o);
+  wgmma_commit();
+}
+
+// Row sums over the quad, both warpgroups' sums added, LSE (written by WG1 only) and 1/l.
+__device__ __forceinline__ void finish_rows(const DecodeParams& p, const ItemRange& r, const WorkItem& item,
+                                            const RowState& rs, uint8_t* smem, bool left,
+                                            float (&l)[2], const float (&m)[2], int lane,
+                                            float (&inv_l)[2]) {
+  float* mine = reinterpret_cast<float*>(smem + (left ? SmemLayout::l_even : SmemLayout::l_odd));
+  const float* other = reinterpret_cast<const float*>(smem + (left ? SmemLayout::l_odd : SmemLayout::l_even));
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 1);
+    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 2);
+    if ((lane & 3) == 0) mine[rs.row_local[j]] = l[j];
+  }
+  named_sync(kBarEpi, 256);
+  const int num_heads = p.layout.num_heads;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float total = l[j] + other[rs.row_local[j]];
+    const bool any = total > 0.0f;
+    inv_l[j] = any ? p.out_scale / total : 0.0f;
+    if (left && (lane & 3) == 0 && rs.row_local[j] < r.valid_rows) {
+      const float lse = any ? (m[j] + log2f(total)) * 0.69314718055994531f : -INFINITY;
+      if (item.slot >= 0) {
+        p.schedule.partial_lse[int64_t(item.slot) * kMaxBlockM + rs.row_local[j]] = lse;
+      } else if (p.lse != nullptr) {
+        const int rr = r.row0 + rs.row_local[j];
+        p.lse[(r.g.q_start + rr / num_heads) * p.lse_stride_t + (rr % num_heads) * p.lse_stride_h] = lse;
+      }
+    }
+  }
+}
+
+// Both consumer warpgroups: wait until the other is done with the previous item, load Q.
+template <typename T>
+__device__ __forceinline__ void start_item(const DecodeParams& p, const ItemRange& r, uint8_t* smem, int ct) {
+  named_sync(kBarItem, 256);
+  if (r.num_tiles > 0) load_q<T>(p, r, smem + SmemLayout::q, ct);
+  fence_proxy_async();
+  named_sync(kBarItem, 256);
+}
+
+// WG1: O[:, 0:256] and the scores of even tiles.
+template <typename T>
+__device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
   const DecodeParams& p = hp.p;
-  const int wt = threadIdx.x - 256;  // thread in WG2
-  const int warp = wt >> 5, lane = wt & 31;
-  uint8_t* sq = smem + SmemLayout::q;
-  const float* s_alpha = reinterpret_cast<const float*>(smem + SmemLayout::alpha);
-  const float* s_inv_l = reinterpret_cast<const float*>(smem + SmemLayout::inv_l);
+  const int wt = threadIdx.x - 128;
+  const int lane = wt & 31;
+  float* s_m0 = reinterpret_cast<float*>(smem + SmemLayout::m0);
+  float* s_c0 = reinterpret_cast<float*>(smem + SmemLayout::c0);
+  const float* s_m1 = reinterpret_cast<const float*>(smem + SmemLayout::m1);
+  const float* s_c1 = reinterpret_cast<const float*>(smem + SmemLayout::c1);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
-  const uint32_t sp_addr = smem_u32(smem + SmemLayout::p);
-  const uint32_t sk_addr = smem_u32(smem + SmemLayout::k);
-
-  int stage = 0;
-  uint32_t phase = 0;
-  int row_local[2];
-  row_local[0] = warp * 16 + (lane >> 2);
-  row_local[1] = row_local[0] + 8;
+  uint8_t* stage0 = smem + SmemLayout::k;
+  uint8_t* stage1 = stage0 + kTileBytes;
+  const uint32_t sq_addr = smem_u32(smem + SmemLayout::q);
+  const uint32_t st0 = smem_u32(stage0), st1 = smem_u32(stage1);
+  uint32_t phase[2] = {0, 0};
 
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     if (r.valid_rows <= 0) continue;
-    named_sync(kBarItem, 256);
-    if (r.num_tiles > 0) load_q<T>(p, r, sq, wt + 128);
-    fence_proxy_async();
-    named_sync(kBarItem, 256);
-
+    start_item<T>(p, r, smem, wt);
+    const RowState rs = row_state(p, r, wt);
+    float m[2] = {-INFINITY, -INFINITY};
+    float l[2] = {0.0f, 0.0f};
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.0f;
-    for (int t = 0; t < r.num_tiles; ++t) {
-      const uint32_t tile = sk_addr + stage * kTileBytes;
-      mbar_wait(&full[stage], phase);
-      named_sync(kBarPFull, 256);
-      const float alpha[2] = {s_alpha[row_local[0]], s_alpha[row_local[1]]};
+
+    for (int t = 0; t < r.num_tiles; t += 2) {
+      const bool has_odd = t + 1 < r.num_tiles;
+      const int key0 = r.kv_begin + t * kBlockN;
+      float s[32], tile_max[2];
+      tile_scores<T, 0>(sq_addr, st0, full, phase[0], s);
+      mask_scores(p, r, rs, key0, lane, s, tile_max);
+      float m0[2], c0[2], c1[2] = {1.0f, 1.0f}, sum[2];
+      uint32_t pk[8][2];
 #pragma unroll
-      for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        wgmma_64x256_ss<T>(k_major_desc(sp_addr + kk * 32),
-                           mn_major_desc(tile + 4 * kBoxBytes + kk * 16 * 128, kBoxBytes), o);
+      for (int j = 0; j < 2; ++j) {
+        m0[j] = fmaxf(m[j], tile_max[j]);
+        c0[j] = rescale(m[j], m0[j]);
       }
-      wgmma_commit();
+      exp_scores<T>(s, m0, pk, sum);
+      if ((lane & 3) == 0) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          s_m0[rs.row_local[j]] = m0[j];
+          s_c0[rs.row_local[j]] = c0[j];
+        }
+      }
+      named_arrive(kBarM0, 256);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) l[j] = l[j] * c0[j] + sum[j];
+
+      const int keys0 = r.kv_end - key0;
+      if (keys0 < kBlockN) {
+        named_sync(kBarLeft, 128);  // every warp's part of S0 is done with the tile
+        zero_tail_rows(stage0 + group_first_box(kGroupL) * kBoxBytes, keys0, wt, kBarLeft);
+      }
+      scale_o(o, c0);
+      pv_rs<T>(pk, st0 + group_first_box(kGroupL) * kBoxBytes, o);
+
+      // c1 and m1 from WG2; then c1 P0 for WG2's right half, in stage 0's PE box. Without an odd
+      // tile there is no exchange, and the warpgroup barrier keeps the PE box's scores (read by
+      // every warp's S0) from being overwritten early. The next pair's kBarM0 / kBarP0 arrival
+      // waits for stage 0's next tile, which WG2 releases only after it has passed this pair's
+      // kBarP0.
+      if (has_odd) {
+        named_sync(kBarM1, 256);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          c1[j] = s_c1[rs.row_local[j]];
+          m[j] = s_m1[rs.row_local[j]];
+        }
+      } else {
+        named_sync(kBarLeft, 128);
+        m[0] = m0[0];
+        m[1] = m0[1];
+      }
+      store_p<T>(stage0 + kPeBox * kBoxBytes, pk, rs, c1, has_odd, lane);
+      fence_proxy_async();
+      named_arrive(kBarP0, 256);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) l[j] *= c1[j];
+
       wgmma_wait<0>();
       fence_operands(o);
-      if (t + 1 < r.num_tiles) named_sync(kBarPEmpty, 256);
-      if (lane == 0) mbar_arrive(&empty[stage]);
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
+      if (lane == 0) mbar_arrive(&empty[0 * kGroups + kGroupL]);
+      phase[0] ^= 1;
+
+      if (has_odd) {
+        const int keys1 = r.kv_end - (key0 + kBlockN);
+        if (keys1 < kBlockN) zero_tail_rows(stage1 + group_first_box(kGroupL) * kBoxBytes, keys1, wt, kBarLeft);
+        mbar_wait(&full[1 * kGroups + kGroupL], phase[1]);
+        scale_o(o, c1);
+        pv_ss<T>(st1 + kPeBox * kBoxBytes, st1 + group_first_box(kGroupL) * kBoxBytes, o);
+        wgmma_wait<0>();
+        fence_operands(o);
+        if (lane == 0) {
+          mbar_arrive(&empty[1 * kGroups + kGroupL]);
+          mbar_arrive(&empty[1 * kGroups + kGroupPe]);
+        }
+        phase[1] ^= 1;
       }
     }
-    named_sync(kBarEpi, 256);
-    const float inv_l[2] = {s_inv_l[row_local[0]], s_inv_l[row_local[1]]};
-    store_o(p, r, item, o, row_local, inv_l, 256, lane);
+    float inv_l[2];
+    finish_rows(p, r, item, rs, smem, true, l, m, lane, inv_l);
+    store_o(p, r, item, o, rs.row_local, inv_l, 0, lane);
+  }
+}
+
+// WG2: O[:, 256:512] and the scores of odd tiles.
+template <typename T>
+__device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
+  const DecodeParams& p = hp.p;
+  const int wt = threadIdx.x - 256;
+  const int lane = wt & 31;
+  const float* s_m0 = reinterpret_cast<const float*>(smem + SmemLayout::m0);
+  const float* s_c0 = reinterpret_cast<const float*>(smem + SmemLayout::c0);
+  float* s_m1 = reinterpret_cast<float*>(smem + SmemLayout::m1);
+  float* s_c1 = reinterpret_cast<float*>(smem + SmemLayout::c1);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
+  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
+  uint8_t* stage0 = smem + SmemLayout::k;
+  uint8_t* stage1 = stage0 + kTileBytes;
+  const uint32_t sq_addr = smem_u32(smem + SmemLayout::q);
+  const uint32_t st0 = smem_u32(stage0), st1 = smem_u32(stage1);
+  uint32_t phase[2] = {0, 0};
+
+  for (int it = begin; it < end; ++it) {
+    const WorkItem item = fetch_item(p, it, lane_of_cta);
+    const ItemRange r = item_range(p.layout, item, hp.block_m);
+    if (r.valid_rows <= 0) continue;
+    start_item<T>(p, r, smem, wt + 128);
+    const RowState rs = row_state(p, r, wt);
+    float m[2] = {-INFINITY, -INFINITY};
+    float l[2] = {0.0f, 0.0f};
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+
+    for (int t = 0; t < r.num_tiles; t += 2) {
+      const bool has_odd = t + 1 < r.num_tiles;
+      const int key0 = r.kv_begin + t * kBlockN;
+      float s[32], tile_max[2] = {-INFINITY, -INFINITY};
+      if (has_odd) {
+        tile_scores<T, 1>(sq_addr, st1, full, phase[1], s);
+        mask_scores(p, r, rs, key0 + kBlockN, lane, s, tile_max);
+      }
+      named_sync(kBarM0, 256);  // also: every warp's S1 is done (all of WG2 passed this barrier)
+      float m0[2], c0[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        m0[j] = s_m0[rs.row_local[j]];
+        c0[j] = s_c0[rs.row_local[j]];
+      }
+      uint32_t pk[8][2];
+      if (has_odd) {
+        float c1[2], sum[2], c01[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          m[j] = fmaxf(m0[j], tile_max[j]);
+          c1[j] = rescale(m0[j], m[j]);
+          c01[j] = c0[j] * c1[j];
+        }
+        exp_scores<T>(s, m, pk, sum);
+        store_p<T>(stage1 + kPeBox * kBoxBytes, pk, rs, c1, false, lane);
+        if ((lane & 3) == 0) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            s_m1[rs.row_local[j]] = m[j];
+            s_c1[rs.row_local[j]] = c1[j];
+          }
+        }
+        fence_proxy_async();
+        named_arrive(kBarM1, 256);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) l[j] = l[j] * c01[j] + sum[j];
+        const int keys1 = r.kv_end - (key0 + kBlockN);
+        if (keys1 < kBlockN) zero_tail_rows(stage1 + group_first_box(kGroupR) * kBoxBytes, keys1, wt, kBarRight);
+        scale_o(o, c01);
+        pv_rs<T>(pk, st1 + group_first_box(kGroupR) * kBoxBytes, o);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          m[j] = m0[j];
+          l[j] *= c0[j];
+        }
+        scale_o(o, c0);
+      }
+
+      const int keys0 = r.kv_end - key0;
+      if (keys0 < kBlockN) zero_tail_rows(stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
+      mbar_wait(&full[0 * kGroups + kGroupR], phase[0]);
+      named_sync(kBarP0, 256);
+      pv_ss<T>(st0 + kPeBox * kBoxBytes, st0 + group_first_box(kGroupR) * kBoxBytes, o);
+      wgmma_wait<0>();
+      fence_operands(o);
+      if (lane == 0) {
+        if (has_odd) mbar_arrive(&empty[1 * kGroups + kGroupR]);
+        mbar_arrive(&empty[0 * kGroups + kGroupR]);
+        mbar_arrive(&empty[0 * kGroups + kGroupPe]);
+      }
+      phase[0] ^= 1;
+      if (has_odd) phase[1] ^= 1;
+    }
+    float inv_l[2];
+    finish_rows(p, r, item, rs, smem, false, l, m, lane, inv_l);
+    store_o(p, r, item, o, rs.row_local, inv_l, 256, lane);
   }
 }
 
@@ -403,12 +620,12 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   int begin, end, lane;
   cta_work(p, hp.block_m, &begin, &end, &lane);
 
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
-  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8);  // one arrive per consumer warp
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
+    uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
+    for (int b = 0; b < kStages * kGroups; ++b) {
+      mbar_init(&full[b], 1);
+      mbar_init(&empty[b], 4);  // one arrive per warp of the releasing warpgroup
     }
     mbar_init_fence();
   }
@@ -417,30 +634,13 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) {
-      prefetch_tensor_map(&hp.kv_map);
-      int stage = 0;
-      uint32_t phase = 0;
-      for (int it = begin; it < end; ++it) {
-        const WorkItem item = fetch_item(p, it, lane);
-        const ItemRange r = item_range(p.layout, item, hp.block_m);
-        for (int t = 0; t < r.num_tiles; ++t) {
-          mbar_wait(&empty[stage], phase ^ 1);
-          issue_tile(hp, item.request, r.kv_begin + t * kBlockN, r.kv_end,
-                     smem + SmemLayout::k + stage * kTileBytes, &full[stage]);
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      }
-    }
+    if (threadIdx.x == 0 || threadIdx.x == 32) run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
   } else if (wg == 1) {
     setmaxnreg_inc<232>();
-    run_consumer_scores<T>(hp, smem, begin, end, lane);
+    run_left<T>(hp, smem, begin, end, lane);
   } else {
     setmaxnreg_inc<232>();
-    run_consumer_right<T>(hp, smem, begin, end, lane);
+    run_right<T>(hp, smem, begin, end, lane);
   }
 }
 
