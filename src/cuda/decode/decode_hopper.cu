@@ -71,18 +71,20 @@ __host__ __device__ constexpr int group_order(int stage, int i) {
   return i == 2 ? kGroupPe : (stage == 0 ? (i == 0 ? kGroupL : kGroupR) : (i == 0 ? kGroupR : kGroupL));
 }
 
-// Named barriers (0 is __syncthreads). kBarItem and kBarEpi are passed (bar.sync) by both
-// consumer warpgroups; the exchange barriers are arrived at by the writer and waited on by the
-// reader. A writer cannot arrive twice at one before the reader's wait: the next pair's
-// arrival depends on the reader through the other exchange or through the stage the reader
-// releases (see the comment in run_left).
+// Named barriers (0 is __syncthreads), passed (bar.sync) by both consumer warpgroups or by one.
 constexpr int kBarItem = 1;   // item start / Q ready
-constexpr int kBarM0 = 2;     // WG1 -> WG2: m0, c0 of the pair
-constexpr int kBarM1 = 3;     // WG2 -> WG1: P1, m1, c1 of the pair
-constexpr int kBarP0 = 4;     // WG1 -> WG2: c1 P0 of the pair
-constexpr int kBarEpi = 5;    // both: row sums of the item written
-constexpr int kBarLeft = 6;   // WG1 alone
-constexpr int kBarRight = 7;  // WG2 alone
+constexpr int kBarEpi = 2;    // both: row sums of the item written
+constexpr int kBarLeft = 3;   // WG1 alone
+constexpr int kBarRight = 4;  // WG2 alone
+
+// Exchanges between the consumer warpgroups, once per pair: mbarriers that every thread of the
+// writer arrives at (release) and the reader waits on (acquire), so the writer never waits. A
+// writer cannot complete one twice before the reader's wait: its next arrival depends on the
+// reader through the other exchange or through the stage the reader releases (see run_left).
+constexpr int kXM0 = 0;      // WG1 -> WG2: m0, c0
+constexpr int kXM1 = 1;      // WG2 -> WG1: P1, m1, c1
+constexpr int kXP0 = 2;      // WG1 -> WG2: c1 P0
+constexpr int kExchanges = 3;
 
 struct SmemLayout {
   static constexpr int q = 0;
@@ -95,7 +97,8 @@ struct SmemLayout {
   static constexpr int l_odd = l_even + 64 * 4;
   static constexpr int full = l_odd + 64 * 4;
   static constexpr int empty = full + kStages * kGroups * 8;
-  static constexpr int end = empty + kStages * kGroups * 8;
+  static constexpr int exchange = empty + kStages * kGroups * 8;
+  static constexpr int end = exchange + kExchanges * 8;
   static constexpr int bytes = end + 1024;  // slack to align the base to 1024
 };
 
@@ -409,6 +412,8 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
   const float* s_c1 = reinterpret_cast<const float*>(smem + SmemLayout::c1);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
+  uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
+  uint32_t x_phase = 0;  // parity of the exchanges this warpgroup waits on (one per pair each)
   uint8_t* stage0 = smem + SmemLayout::k;
   uint8_t* stage1 = stage0 + kTileBytes;
   const uint32_t sq_addr = smem_u32(smem + SmemLayout::q);
@@ -448,7 +453,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
           s_c0[rs.row_local[j]] = c0[j];
         }
       }
-      named_arrive(kBarM0, 256);
+      mbar_arrive(&xbar[kXM0]);
 #pragma unroll
       for (int j = 0; j < 2; ++j) l[j] = l[j] * c0[j] + sum[j];
 
@@ -460,13 +465,14 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
       scale_o(o, c0);
       pv_rs<T>(pk, st0 + group_first_box(kGroupL) * kBoxBytes, o);
 
-      // c1 and m1 from WG2; then c1 P0 for WG2's right half, in stage 0's PE box. Without an odd
-      // tile there is no exchange, and the warpgroup barrier keeps the PE box's scores (read by
-      // every warp's S0) from being overwritten early. The next pair's kBarM0 / kBarP0 arrival
-      // waits for stage 0's next tile, which WG2 releases only after it has passed this pair's
-      // kBarP0.
+      // c1 and m1 from WG2; then c1 P0 for WG2's right half, in stage 0's PE box (every warp's
+      // S0 is done with it: WG2 has seen all of WG1 at kXM0 before it arrives at kXM1; without
+      // an odd tile the warpgroup barrier says so). The next pair's kXM0 / kXP0 arrivals wait
+      // for stage 0's next tile, which WG2 releases only after its wait on this pair's kXP0;
+      // WG2's next kXM1 arrival follows its wait on the next kXM0, which follows this wait.
       if (has_odd) {
-        named_sync(kBarM1, 256);
+        mbar_wait(&xbar[kXM1], x_phase);
+        x_phase ^= 1;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           c1[j] = s_c1[rs.row_local[j]];
@@ -479,12 +485,13 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
       }
       store_p<T>(stage0 + kPeBox * kBoxBytes, pk, rs, c1, has_odd, lane);
       fence_proxy_async();
-      named_arrive(kBarP0, 256);
+      mbar_arrive(&xbar[kXP0]);
 #pragma unroll
       for (int j = 0; j < 2; ++j) l[j] *= c1[j];
 
       wgmma_wait<0>();
       fence_operands(o);
+      fence_operands(pk);  // P0 V0_L read pk until here: its registers must not be reused before
       if (lane == 0) mbar_arrive(&empty[0 * kGroups + kGroupL]);
       phase[0] ^= 1;
 
@@ -521,6 +528,8 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
   float* s_c1 = reinterpret_cast<float*>(smem + SmemLayout::c1);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
+  uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
+  uint32_t x_phase = 0;  // parity of the exchanges this warpgroup waits on (one per pair each)
   uint8_t* stage0 = smem + SmemLayout::k;
   uint8_t* stage1 = stage0 + kTileBytes;
   const uint32_t sq_addr = smem_u32(smem + SmemLayout::q);
@@ -547,7 +556,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
         tile_scores<T, 1>(sq_addr, st1, full, phase[1], s);
         mask_scores(p, r, rs, key0 + kBlockN, lane, s, tile_max);
       }
-      named_sync(kBarM0, 256);  // also: every warp's S1 is done (all of WG2 passed this barrier)
+      mbar_wait(&xbar[kXM0], x_phase);
       float m0[2], c0[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -564,6 +573,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
           c01[j] = c0[j] * c1[j];
         }
         exp_scores<T>(s, m, pk, sum);
+        named_sync(kBarRight, 128);  // every warp's S1 is done before P1 overwrites the PE box
         store_p<T>(stage1 + kPeBox * kBoxBytes, pk, rs, c1, false, lane);
         if ((lane & 3) == 0) {
 #pragma unroll
@@ -573,7 +583,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
           }
         }
         fence_proxy_async();
-        named_arrive(kBarM1, 256);
+        mbar_arrive(&xbar[kXM1]);
 #pragma unroll
         for (int j = 0; j < 2; ++j) l[j] = l[j] * c01[j] + sum[j];
         const int keys1 = r.kv_end - (key0 + kBlockN);
@@ -592,10 +602,12 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
       const int keys0 = r.kv_end - key0;
       if (keys0 < kBlockN) zero_tail_rows(stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
       mbar_wait(&full[0 * kGroups + kGroupR], phase[0]);
-      named_sync(kBarP0, 256);
+      mbar_wait(&xbar[kXP0], x_phase);
+      x_phase ^= 1;
       pv_ss<T>(st0 + kPeBox * kBoxBytes, st0 + group_first_box(kGroupR) * kBoxBytes, o);
       wgmma_wait<0>();
       fence_operands(o);
+      if (has_odd) fence_operands(pk);  // P1 V1_R read pk until here
       if (lane == 0) {
         if (has_odd) mbar_arrive(&empty[1 * kGroups + kGroupR]);
         mbar_arrive(&empty[0 * kGroups + kGroupR]);
@@ -623,10 +635,12 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   if (threadIdx.x == 0) {
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
     uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
+    uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
     for (int b = 0; b < kStages * kGroups; ++b) {
       mbar_init(&full[b], 1);
       mbar_init(&empty[b], 4);  // one arrive per warp of the releasing warpgroup
     }
+    for (int b = 0; b < kExchanges; ++b) mbar_init(&xbar[b], 128);  // every writer thread
     mbar_init_fence();
   }
   __syncthreads();
