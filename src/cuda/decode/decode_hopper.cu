@@ -16,24 +16,25 @@
 //   WG1  owns O[:, 0:256] and the even tiles' scores; WG2 owns O[:, 256:512] and the odd ones'.
 //        With m the running row max (shared), per pair (tiles 0 and 1 of the pair):
 //          WG1: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); c0 = exp2(m - m0)
-//               -> m0, c0 to WG2;                   O_L = c0 O_L + P0 V0_L
-//          WG2: S1 = Q K1^T; m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1); c1 = exp2(m0 - m1)
-//               -> P1 (in stage 1's PE box), m1, c1 to WG1;  O_R = c0 c1 O_R + P1 V1_R
-//          WG1: c1 P0 (in stage 0's PE box) -> WG2; O_L = c1 O_L + P1 V1_L
-//          WG2: O_R += (c1 P0) V0_R
-//        The PE boxes hold the exchanged P once the scores are done, so Q and both stages fit.
-//        Row sums are kept per warpgroup (even / odd tiles, each at the current max) and added
-//        at the end.
-// Released groups: stage 0's L by WG1 after P0 V0_L, R and PE by WG2 after (c1 P0) V0_R;
-// stage 1's R by WG2 after P1 V1_R, L and PE by WG1 after P1 V1_L.
+//               -> P0 (in stage 0's PE box), m0, c0 to WG2;   O_L = c0 O_L + P0 V0_L
+//          WG2: S1 = Q K1^T; O_R = c0 O_R + P0 V0_R while it computes
+//               m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1); c1 = exp2(m0 - m1)
+//               -> P1 (in stage 1's PE box), m1, c1 to WG1;   O_R = c1 O_R + P1 V1_R
+//          WG1: O_L = c1 O_L + P1 V1_L
+//        So one warpgroup's softmax runs while the other's MMAs do, and stage 0 is released
+//        half-way through the pair. The PE boxes hold the exchanged P once the scores are done,
+//        so Q and both stages fit. Row sums are kept per warpgroup (even / odd tiles, each at the
+//        current max) and added at the end.
+// Released groups: stage 0's L by WG1 after P0 V0_L, R and PE by WG2 after P0 V0_R; stage 1's
+// R by WG2 after P1 V1_R, L and PE by WG1 after P1 V1_L.
 //
 // Shared memory (bytes): Q 73,728 | 2 stages x 73,728 | row max / scale / row-sum exchange 1,536 |
 // barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
 //
 // Numerics match the portable kernel: fp32 scores in the exp2 domain, P rounded to the compute
-// dtype before P V, row sums of the rounded values, natural-log LSE (c1 P0 is rounded again for
-// the right half). Keys of the last tile past the item's range are masked out of S and their V
-// rows zeroed in shared memory before P V, so NaN in unused cache slots never reaches the output.
+// dtype before P V, row sums of the rounded values, natural-log LSE. Keys of the last tile past
+// the item's range are masked out of S and their V rows zeroed in shared memory before P V, so
+// NaN in unused cache slots never reaches the output.
 #include "cuda/decode/decode_hopper.hpp"
 
 #include <cuda.h>
@@ -81,10 +82,9 @@ constexpr int kBarRight = 4;  // WG2 alone
 // writer arrives at (release) and the reader waits on (acquire), so the writer never waits. A
 // writer cannot complete one twice before the reader's wait: its next arrival depends on the
 // reader through the other exchange or through the stage the reader releases (see run_left).
-constexpr int kXM0 = 0;      // WG1 -> WG2: m0, c0
-constexpr int kXM1 = 1;      // WG2 -> WG1: P1, m1, c1
-constexpr int kXP0 = 2;      // WG1 -> WG2: c1 P0
-constexpr int kExchanges = 3;
+constexpr int kXM0 = 0;  // WG1 -> WG2: P0, m0, c0
+constexpr int kXM1 = 1;  // WG2 -> WG1: P1, m1, c1
+constexpr int kExchanges = 2;
 
 struct SmemLayout {
   static constexpr int q = 0;
@@ -302,21 +302,13 @@ __device__ __forceinline__ float rescale(float m_old, float m_new) {
   return fast_exp2(m_old - (m_new == -INFINITY ? 0.0f : m_new));
 }
 
-// Writes P (accumulator layout, optionally times a per-row factor) into a swizzled box.
-template <typename T>
-__device__ __forceinline__ void store_p(uint8_t* box, const uint32_t (&pk)[8][2], const RowState& rs,
-                                        const float (&factor)[2], bool scaled, int lane) {
+// Writes P (accumulator layout) into a swizzled box.
+__device__ __forceinline__ void store_p(uint8_t* box, const uint32_t (&pk)[8][2], const RowState& rs, int lane) {
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      uint32_t v = pk[n][j];
-      if (scaled) {
-        const float2 f = unpack2<T>(v);
-        v = pack2<T>(f.x * factor[j], f.y * factor[j]);
-      }
-      *reinterpret_cast<uint32_t*>(box + swizzled_offset(rs.row_local[j], n * 8 + 2 * (lane & 3))) = v;
-    }
+    for (int j = 0; j < 2; ++j)
+      *reinterpret_cast<uint32_t*>(box + swizzled_offset(rs.row_local[j], n * 8 + 2 * (lane & 3))) = pk[n][j];
   }
 }
 
@@ -413,7 +405,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
   uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
-  uint32_t x_phase = 0;  // parity of the exchanges this warpgroup waits on (one per pair each)
+  uint32_t x_phase = 0;  // parity of kXM1 (completes once per pair with an odd tile)
   uint8_t* stage0 = smem + SmemLayout::k;
   uint8_t* stage1 = stage0 + kTileBytes;
   const uint32_t sq_addr = smem_u32(smem + SmemLayout::q);
@@ -446,6 +438,12 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
         c0[j] = rescale(m[j], m0[j]);
       }
       exp_scores<T>(s, m0, pk, sum);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) l[j] = l[j] * c0[j] + sum[j];
+
+      // P0, m0 and c0 to WG2: P0 in stage 0's PE box once every warp's S0 is done with it.
+      named_sync(kBarLeft, 128);
+      store_p(stage0 + kPeBox * kBoxBytes, pk, rs, lane);
       if ((lane & 3) == 0) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -453,23 +451,17 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
           s_c0[rs.row_local[j]] = c0[j];
         }
       }
+      fence_proxy_async();
       mbar_arrive(&xbar[kXM0]);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) l[j] = l[j] * c0[j] + sum[j];
 
       const int keys0 = r.kv_end - key0;
-      if (keys0 < kBlockN) {
-        named_sync(kBarLeft, 128);  // every warp's part of S0 is done with the tile
-        zero_tail_rows(stage0 + group_first_box(kGroupL) * kBoxBytes, keys0, wt, kBarLeft);
-      }
+      if (keys0 < kBlockN) zero_tail_rows(stage0 + group_first_box(kGroupL) * kBoxBytes, keys0, wt, kBarLeft);
       scale_o(o, c0);
       pv_rs<T>(pk, st0 + group_first_box(kGroupL) * kBoxBytes, o);
 
-      // c1 and m1 from WG2; then c1 P0 for WG2's right half, in stage 0's PE box (every warp's
-      // S0 is done with it: WG2 has seen all of WG1 at kXM0 before it arrives at kXM1; without
-      // an odd tile the warpgroup barrier says so). The next pair's kXM0 / kXP0 arrivals wait
-      // for stage 0's next tile, which WG2 releases only after its wait on this pair's kXP0;
-      // WG2's next kXM1 arrival follows its wait on the next kXM0, which follows this wait.
+      // m1, c1 (and P1 in stage 1's PE box) from WG2. The next pair's kXM0 arrival waits for
+      // stage 0's next tile, which WG2 releases only after its wait on this pair's kXM0; WG2's
+      // next kXM1 arrival follows its wait on the next kXM0, which follows this wait.
       if (has_odd) {
         mbar_wait(&xbar[kXM1], x_phase);
         x_phase ^= 1;
@@ -479,16 +471,9 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
           m[j] = s_m1[rs.row_local[j]];
         }
       } else {
-        named_sync(kBarLeft, 128);
         m[0] = m0[0];
         m[1] = m0[1];
       }
-      store_p<T>(stage0 + kPeBox * kBoxBytes, pk, rs, c1, has_odd, lane);
-      fence_proxy_async();
-      mbar_arrive(&xbar[kXP0]);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) l[j] *= c1[j];
-
       wgmma_wait<0>();
       fence_operands(o);
       fence_operands(pk);  // P0 V0_L read pk until here: its registers must not be reused before
@@ -496,6 +481,8 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
       phase[0] ^= 1;
 
       if (has_odd) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) l[j] *= c1[j];
         const int keys1 = r.kv_end - (key0 + kBlockN);
         if (keys1 < kBlockN) zero_tail_rows(stage1 + group_first_box(kGroupL) * kBoxBytes, keys1, wt, kBarLeft);
         mbar_wait(&full[1 * kGroups + kGroupL], phase[1]);
@@ -529,7 +516,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
   uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
-  uint32_t x_phase = 0;  // parity of the exchanges this warpgroup waits on (one per pair each)
+  uint32_t x_phase = 0;  // parity of kXM0 (completes once per pair)
   uint8_t* stage0 = smem + SmemLayout::k;
   uint8_t* stage1 = stage0 + kTileBytes;
   const uint32_t sq_addr = smem_u32(smem + SmemLayout::q);
@@ -556,25 +543,34 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
         tile_scores<T, 1>(sq_addr, st1, full, phase[1], s);
         mask_scores(p, r, rs, key0 + kBlockN, lane, s, tile_max);
       }
+
+      // O_R = c0 O_R + P0 V0_R, running while this warpgroup's softmax of S1 is computed.
       mbar_wait(&xbar[kXM0], x_phase);
+      x_phase ^= 1;
       float m0[2], c0[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         m0[j] = s_m0[rs.row_local[j]];
         c0[j] = s_c0[rs.row_local[j]];
+        l[j] *= c0[j];
       }
-      uint32_t pk[8][2];
+      const int keys0 = r.kv_end - key0;
+      if (keys0 < kBlockN) zero_tail_rows(stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
+      mbar_wait(&full[0 * kGroups + kGroupR], phase[0]);
+      scale_o(o, c0);
+      pv_ss<T>(st0 + kPeBox * kBoxBytes, st0 + group_first_box(kGroupR) * kBoxBytes, o);
+
       if (has_odd) {
-        float c1[2], sum[2], c01[2];
+        float c1[2], sum[2];
+        uint32_t pk[8][2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           m[j] = fmaxf(m0[j], tile_max[j]);
           c1[j] = rescale(m0[j], m[j]);
-          c01[j] = c0[j] * c1[j];
         }
         exp_scores<T>(s, m, pk, sum);
         named_sync(kBarRight, 128);  // every warp's S1 is done before P1 overwrites the PE box
-        store_p<T>(stage1 + kPeBox * kBoxBytes, pk, rs, c1, false, lane);
+        store_p(stage1 + kPeBox * kBoxBytes, pk, rs, lane);
         if ((lane & 3) == 0) {
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
@@ -584,37 +580,35 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
         }
         fence_proxy_async();
         mbar_arrive(&xbar[kXM1]);
+
+        wgmma_wait<0>();
+        fence_operands(o);
+        if (lane == 0) {
+          mbar_arrive(&empty[0 * kGroups + kGroupR]);
+          mbar_arrive(&empty[0 * kGroups + kGroupPe]);
+        }
 #pragma unroll
-        for (int j = 0; j < 2; ++j) l[j] = l[j] * c01[j] + sum[j];
+        for (int j = 0; j < 2; ++j) l[j] = l[j] * c1[j] + sum[j];
         const int keys1 = r.kv_end - (key0 + kBlockN);
         if (keys1 < kBlockN) zero_tail_rows(stage1 + group_first_box(kGroupR) * kBoxBytes, keys1, wt, kBarRight);
-        scale_o(o, c01);
+        scale_o(o, c1);
         pv_rs<T>(pk, st1 + group_first_box(kGroupR) * kBoxBytes, o);
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(pk);  // P1 V1_R read pk until here
+        if (lane == 0) mbar_arrive(&empty[1 * kGroups + kGroupR]);
+        phase[1] ^= 1;
       } else {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          m[j] = m0[j];
-          l[j] *= c0[j];
+        m[0] = m0[0];
+        m[1] = m0[1];
+        wgmma_wait<0>();
+        fence_operands(o);
+        if (lane == 0) {
+          mbar_arrive(&empty[0 * kGroups + kGroupR]);
+          mbar_arrive(&empty[0 * kGroups + kGroupPe]);
         }
-        scale_o(o, c0);
-      }
-
-      const int keys0 = r.kv_end - key0;
-      if (keys0 < kBlockN) zero_tail_rows(stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
-      mbar_wait(&full[0 * kGroups + kGroupR], phase[0]);
-      mbar_wait(&xbar[kXP0], x_phase);
-      x_phase ^= 1;
-      pv_ss<T>(st0 + kPeBox * kBoxBytes, st0 + group_first_box(kGroupR) * kBoxBytes, o);
-      wgmma_wait<0>();
-      fence_operands(o);
-      if (has_odd) fence_operands(pk);  // P1 V1_R read pk until here
-      if (lane == 0) {
-        if (has_odd) mbar_arrive(&empty[1 * kGroups + kGroupR]);
-        mbar_arrive(&empty[0 * kGroups + kGroupR]);
-        mbar_arrive(&empty[0 * kGroups + kGroupPe]);
       }
       phase[0] ^= 1;
-      if (has_odd) phase[1] ^= 1;
     }
     float inv_l[2];
     finish_rows(p, r, item, rs, smem, false, l, m, lane, inv_l);
