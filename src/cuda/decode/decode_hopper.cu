@@ -28,7 +28,7 @@
 // Released groups: stage 0's L by WG1 after P0 V0_L, R and PE by WG2 after P0 V0_R; stage 1's
 // R by WG2 after P1 V1_R, L and PE by WG1 after P1 V1_L.
 //
-// Shared memory (bytes): Q 73,728 | 2 stages x 73,728 | row max / scale / row-sum exchange 1,536 |
+// Shared memory (bytes): Q 73,728 | 2 stages x 73,728 | row max / scale / row-sum exchange 2,048 |
 // barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
 //
 // Numerics match the portable kernel: fp32 scores in the exp2 domain, P rounded to the compute
@@ -93,9 +93,8 @@ struct SmemLayout {
   static constexpr int c0 = m0 + 64 * 4;
   static constexpr int m1 = c0 + 64 * 4;
   static constexpr int c1 = m1 + 64 * 4;
-  static constexpr int l_even = c1 + 64 * 4;
-  static constexpr int l_odd = l_even + 64 * 4;
-  static constexpr int full = l_odd + 64 * 4;
+  static constexpr int l_sums = c1 + 64 * 4;  // [item parity][even, odd][64]
+  static constexpr int full = l_sums + 4 * 64 * 4;
   static constexpr int empty = full + kStages * kGroups * 8;
   static constexpr int exchange = empty + kStages * kGroups * 8;
   static constexpr int end = exchange + kExchanges * 8;
@@ -353,11 +352,13 @@ __device__ __forceinline__ void pv_ss(uint32_t p_addr, uint32_t v_addr, float (&
 
 // Row sums over the quad, both warpgroups' sums added, LSE (written by WG1 only) and 1/l.
 __device__ __forceinline__ void finish_rows(const DecodeParams& p, const ItemRange& r, const WorkItem& item,
-                                            const RowState& rs, uint8_t* smem, bool left,
+                                            const RowState& rs, uint8_t* smem, bool left, int item_parity,
                                             float (&l)[2], const float (&m)[2], int lane,
                                             float (&inv_l)[2]) {
-  float* mine = reinterpret_cast<float*>(smem + (left ? SmemLayout::l_even : SmemLayout::l_odd));
-  const float* other = reinterpret_cast<const float*>(smem + (left ? SmemLayout::l_odd : SmemLayout::l_even));
+  // One pair of arrays per item parity: the next item's sums never overwrite ones still read.
+  float* sums = reinterpret_cast<float*>(smem + SmemLayout::l_sums) + (item_parity & 1) * 128;
+  float* mine = sums + (left ? 0 : 64);
+  const float* other = sums + (left ? 64 : 0);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     l[j] += __shfl_xor_sync(0xffffffffu, l[j], 1);
@@ -498,7 +499,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
       }
     }
     float inv_l[2];
-    finish_rows(p, r, item, rs, smem, true, l, m, lane, inv_l);
+    finish_rows(p, r, item, rs, smem, true, it, l, m, lane, inv_l);
     store_o(p, r, item, o, rs.row_local, inv_l, 0, lane);
   }
 }
@@ -611,7 +612,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
       phase[0] ^= 1;
     }
     float inv_l[2];
-    finish_rows(p, r, item, rs, smem, false, l, m, lane, inv_l);
+    finish_rows(p, r, item, rs, smem, false, it, l, m, lane, inv_l);
     store_o(p, r, item, o, rs.row_local, inv_l, 256, lane);
   }
 }
