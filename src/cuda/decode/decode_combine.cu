@@ -18,6 +18,7 @@
 
 #include <cmath>
 
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/decode/decode_launch.hpp"
 
@@ -77,6 +78,7 @@ __device__ __forceinline__ void store_out4(const DecodeParams& p, void* row_base
 __global__ void __launch_bounds__(kThreadsPerCta)
     mla_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ float4 partial[kThreadsPerCta / 32][32][4];  // per warp: its lanes' 16 columns
+  wait_for_prior_grids();  // the decode kernel's partial results are written
   const ScheduleHeader& header = *p.schedule.header;
   // Job x: split unit x / lanes, row tile (lane) x % lanes, its slots offset by the lane.
   if (int(blockIdx.x) >= header.num_split_units * header.lanes) return;
@@ -179,8 +181,7 @@ __global__ void __launch_bounds__(kThreadsPerCta)
 
 void launch_combine_kernel(const DecodeParams& params, int block_m, cudaStream_t stream) {
   const dim3 grid(unsigned(params.schedule.num_parts), unsigned((block_m + kRowsPerCta - 1) / kRowsPerCta));
-  mla_decode_combine_kernel<<<grid, kThreadsPerCta, 0, stream>>>(params);
-  MLA_CUDA_CHECK_LAUNCH();
+  launch_dependent(mla_decode_combine_kernel, grid, dim3(kThreadsPerCta), 0, stream, params);
 }
 
 }  // namespace mla::cuda::decode

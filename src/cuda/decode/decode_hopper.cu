@@ -45,6 +45,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/hopper.cuh"
 #include "cuda/common/warp_mma.cuh"
 #include "cuda/cuda_check.hpp"
@@ -624,9 +625,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const DecodeParams& p = hp.p;
 
-  int begin, end, lane;
-  cta_work(p, hp.block_m, &begin, &end, &lane);
-
   if (threadIdx.x == 0) {
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
     uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
@@ -639,6 +637,10 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     mbar_init_fence();
   }
   __syncthreads();
+  wait_for_prior_grids();  // the plan (and everything before it in the stream) is done
+  allow_dependent_launch();
+  int begin, end, lane;
+  cta_work(p, hp.block_m, &begin, &end, &lane);
 
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
@@ -701,8 +703,7 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
             " bytes of shared memory per block, but device ", info.device, " allows ",
             info.max_smem_per_block_optin);
   opt_in_dynamic_smem<mla_decode_hopper_kernel<T>>(SmemLayout::bytes);
-  mla_decode_hopper_kernel<T><<<grid, kHopperThreads, SmemLayout::bytes, stream>>>(hp);
-  MLA_CUDA_CHECK_LAUNCH();
+  launch_dependent(mla_decode_hopper_kernel<T>, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes, stream, hp);
 }
 
 template void launch_hopper_decode_kernel<__nv_bfloat16>(const DecodeParams&, int, int, cudaStream_t);

@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/warp_mma.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/decode/decode_device.cuh"
@@ -497,6 +498,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   using Cta = DecodeCta<T, kRowTiles>;
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   Cta cta(p, *reinterpret_cast<typename Cta::Smem*>(smem_bytes));
+  wait_for_prior_grids();  // the plan (and everything before it in the stream) is done
+  allow_dependent_launch();
   int begin, end, lane;
   cta_work(p, Cta::kBlockM, &begin, &end, &lane);
   for (int i = begin; i < end; ++i) cta.run_item(fetch_item(p, i, lane));
@@ -512,8 +515,8 @@ void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t str
             " bytes of shared memory per block, but device ", info.device, " allows ",
             info.max_smem_per_block_optin);
   opt_in_dynamic_smem<mla_decode_kernel<T, kRowTiles>>(int(Traits::kSmemBytes));
-  mla_decode_kernel<T, kRowTiles><<<grid, kThreads, Traits::kSmemBytes, stream>>>(params);
-  MLA_CUDA_CHECK_LAUNCH();
+  launch_dependent(mla_decode_kernel<T, kRowTiles>, dim3(grid), dim3(kThreads), Traits::kSmemBytes, stream,
+                   params);
 }
 
 }  // namespace mla::cuda::decode

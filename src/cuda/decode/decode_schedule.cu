@@ -33,6 +33,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/decode/decode_launch.hpp"
 #include "mla/ops.hpp"
@@ -155,6 +156,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   __shared__ long long scan64[33];
   __shared__ int scan32[33];
   __shared__ int max_unit_cost;
+  allow_dependent_launch();  // the decode kernel's CTAs start and wait for this plan
   __shared__ SplitPieces long_units[kLongUnitQueue];
   __shared__ int num_long_units;
   const int tid = threadIdx.x;
