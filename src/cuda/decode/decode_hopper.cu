@@ -75,9 +75,8 @@ __host__ __device__ constexpr int group_order(int stage, int i) {
 
 // Named barriers (0 is __syncthreads), passed (bar.sync) by both consumer warpgroups or by one.
 constexpr int kBarItem = 1;   // item start / Q ready
-constexpr int kBarEpi = 2;    // both: row sums of the item written
-constexpr int kBarLeft = 3;   // WG1 alone
-constexpr int kBarRight = 4;  // WG2 alone
+constexpr int kBarLeft = 2;   // WG1 alone
+constexpr int kBarRight = 3;  // WG2 alone
 
 // Exchanges between the consumer warpgroups, once per pair: mbarriers that every thread of the
 // writer arrives at (release) and the reader waits on (acquire), so the writer never waits. A
@@ -85,7 +84,9 @@ constexpr int kBarRight = 4;  // WG2 alone
 // reader through the other exchange or through the stage the reader releases (see run_left).
 constexpr int kXM0 = 0;  // WG1 -> WG2: P0, m0, c0
 constexpr int kXM1 = 1;  // WG2 -> WG1: P1, m1, c1
-constexpr int kExchanges = 2;
+constexpr int kXL0 = 2;  // WG1 -> WG2: row sums of the even tiles, at the end of an item
+constexpr int kXL1 = 3;  // WG2 -> WG1: row sums of the odd tiles
+constexpr int kExchanges = 4;
 
 struct SmemLayout {
   static constexpr int q = 0;
@@ -159,28 +160,29 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
 }
 
 // Q rows [row0, row0 + valid_rows) of the item -> swizzled Q boxes; rows past valid_rows are
-// zero. Run by the 256 consumer threads (ct = 0..255).
+// zero. Run by the 256 consumer threads (ct = 0..255): 18 asynchronous 16-byte copies each, all
+// in flight at once, waited for before returning.
 template <typename T>
 __device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int ct) {
   const int num_heads = p.layout.num_heads;
-  for (int idx = ct; idx < 64 * (kHeadDim / 8); idx += 256) {
+#pragma unroll
+  for (int i = 0; i < 64 * (kHeadDim / 8) / 256; ++i) {
+    const int idx = ct + i * 256;
     const int row = idx / (kHeadDim / 8);
     const int c = idx - row * (kHeadDim / 8);  // 16-byte chunk along the 576 dims
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row < r.valid_rows) {
-      const int rr = r.row0 + row;
-      const int64_t token = r.g.q_start + rr / num_heads;
-      const int head = rr % num_heads;
-      const T* src = c < kValueDim / 8
-                         ? static_cast<const T*>(p.q_nope) + token * p.q_nope_stride_t +
-                               head * p.q_nope_stride_h + c * 8
-                         : static_cast<const T*>(p.q_pe) + token * p.q_pe_stride_t +
-                               head * p.q_pe_stride_h + (c - kValueDim / 8) * 8;
-      v = __ldg(reinterpret_cast<const uint4*>(src));
-    }
-    const int box = c >> 3;
-    *reinterpret_cast<uint4*>(sq + box * kBoxBytes + swizzled_offset(row, (c & 7) * 8)) = v;
+    const bool valid = row < r.valid_rows;
+    const int rr = r.row0 + (valid ? row : 0);  // rows past valid_rows: zero-filled, not read
+    const int64_t token = r.g.q_start + rr / num_heads;
+    const int head = rr % num_heads;
+    const T* src = c < kValueDim / 8
+                       ? static_cast<const T*>(p.q_nope) + token * p.q_nope_stride_t +
+                             head * p.q_nope_stride_h + c * 8
+                       : static_cast<const T*>(p.q_pe) + token * p.q_pe_stride_t +
+                             head * p.q_pe_stride_h + (c - kValueDim / 8) * 8;
+    cp_async_16(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8), src, valid);
   }
+  cp_async_commit();
+  cp_async_wait<0>();
 }
 
 // Writes this thread's 2 rows x 128 columns of O (columns col0 + 8n + 2(lane%4) + {0,1}),
@@ -354,6 +356,7 @@ __device__ __forceinline__ void pv_ss(uint32_t p_addr, uint32_t v_addr, float (&
 // Row sums over the quad, both warpgroups' sums added, LSE (written by WG1 only) and 1/l.
 __device__ __forceinline__ void finish_rows(const DecodeParams& p, const ItemRange& r, const WorkItem& item,
                                             const RowState& rs, uint8_t* smem, bool left, int item_parity,
+                                            uint32_t& sums_phase,
                                             float (&l)[2], const float (&m)[2], int lane,
                                             float (&inv_l)[2]) {
   // One pair of arrays per item parity: the next item's sums never overwrite ones still read.
@@ -366,7 +369,10 @@ __device__ __forceinline__ void finish_rows(const DecodeParams& p, const ItemRan
     l[j] += __shfl_xor_sync(0xffffffffu, l[j], 2);
     if ((lane & 3) == 0) mine[rs.row_local[j]] = l[j];
   }
-  named_sync(kBarEpi, 256);
+  uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
+  mbar_arrive(&xbar[left ? kXL0 : kXL1]);
+  mbar_wait(&xbar[left ? kXL1 : kXL0], sums_phase);
+  sums_phase ^= 1;
   const int num_heads = p.layout.num_heads;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -413,6 +419,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
   const uint32_t sq_addr = smem_u32(smem + SmemLayout::q);
   const uint32_t st0 = smem_u32(stage0), st1 = smem_u32(stage1);
   uint32_t phase[2] = {0, 0};
+  uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
 
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
@@ -500,7 +507,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
       }
     }
     float inv_l[2];
-    finish_rows(p, r, item, rs, smem, true, it, l, m, lane, inv_l);
+    finish_rows(p, r, item, rs, smem, true, it, sums_phase, l, m, lane, inv_l);
     store_o(p, r, item, o, rs.row_local, inv_l, 0, lane);
   }
 }
@@ -524,6 +531,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
   const uint32_t sq_addr = smem_u32(smem + SmemLayout::q);
   const uint32_t st0 = smem_u32(stage0), st1 = smem_u32(stage1);
   uint32_t phase[2] = {0, 0};
+  uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
 
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
@@ -613,7 +621,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
       phase[0] ^= 1;
     }
     float inv_l[2];
-    finish_rows(p, r, item, rs, smem, false, it, l, m, lane, inv_l);
+    finish_rows(p, r, item, rs, smem, false, it, sums_phase, l, m, lane, inv_l);
     store_o(p, r, item, o, rs.row_local, inv_l, 256, lane);
   }
 }
