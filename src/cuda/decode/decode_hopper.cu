@@ -400,24 +400,71 @@ __device__ __forceinline__ void start_item(const DecodeParams& p, const ItemRang
   named_sync(kBarItem, 256);
 }
 
+// Shared-memory views both consumer warpgroups use.
+struct ConsumerSmem {
+  float* m0;  // WG1 -> WG2 row statistics of a pair
+  float* c0;
+  float* m1;  // WG2 -> WG1
+  float* c1;
+  uint64_t* full;
+  uint64_t* empty;
+  uint64_t* xbar;
+  uint8_t* stage0;
+  uint8_t* stage1;
+  uint32_t sq_addr, st0, st1;
+
+  __device__ explicit ConsumerSmem(uint8_t* smem)
+      : m0(reinterpret_cast<float*>(smem + SmemLayout::m0)),
+        c0(reinterpret_cast<float*>(smem + SmemLayout::c0)),
+        m1(reinterpret_cast<float*>(smem + SmemLayout::m1)),
+        c1(reinterpret_cast<float*>(smem + SmemLayout::c1)),
+        full(reinterpret_cast<uint64_t*>(smem + SmemLayout::full)),
+        empty(reinterpret_cast<uint64_t*>(smem + SmemLayout::empty)),
+        xbar(reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange)),
+        stage0(smem + SmemLayout::k),
+        stage1(smem + SmemLayout::k + kTileBytes),
+        sq_addr(smem_u32(smem + SmemLayout::q)),
+        st0(smem_u32(smem + SmemLayout::k)),
+        st1(smem_u32(smem + SmemLayout::k + kTileBytes)) {}
+
+  // P of this warpgroup's tile (into the PE box of its stage), the row max m and the rescale c
+  // to the other warpgroup through exchange x; first this warpgroup's barrier `bar`, after which
+  // every warp's scores are done with the PE box.
+  __device__ __forceinline__ void publish(int x, int bar, const uint32_t (&pk)[8][2], const RowState& rs,
+                                          const float (&m)[2], const float (&c)[2], int lane) {
+    named_sync(bar, 128);
+    store_p((x == kXM0 ? stage0 : stage1) + kPeBox * kBoxBytes, pk, rs, lane);
+    if ((lane & 3) == 0) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        (x == kXM0 ? m0 : m1)[rs.row_local[j]] = m[j];
+        (x == kXM0 ? c0 : c1)[rs.row_local[j]] = c[j];
+      }
+    }
+    fence_proxy_async();
+    mbar_arrive(&xbar[x]);
+  }
+
+  // Waits for this warpgroup's MMAs into o, then releases groups g0 (and g1 >= 0) of `stage`:
+  // one arrival per warp.
+  __device__ __forceinline__ void finish_mma_release(float (&o)[128], int stage, int g0, int g1, int lane) {
+    wgmma_wait<0>();
+    fence_operands(o);
+    if (lane == 0) {
+      mbar_arrive(&empty[stage * kGroups + g0]);
+      if (g1 >= 0) mbar_arrive(&empty[stage * kGroups + g1]);
+    }
+  }
+};
+
 // WG1: O[:, 0:256] and the scores of even tiles.
 template <typename T>
 __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
   const DecodeParams& p = hp.p;
   const int wt = threadIdx.x - 128;
   const int lane = wt & 31;
-  float* s_m0 = reinterpret_cast<float*>(smem + SmemLayout::m0);
-  float* s_c0 = reinterpret_cast<float*>(smem + SmemLayout::c0);
-  const float* s_m1 = reinterpret_cast<const float*>(smem + SmemLayout::m1);
-  const float* s_c1 = reinterpret_cast<const float*>(smem + SmemLayout::c1);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
-  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
-  uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
+  ConsumerSmem sm(smem);
   uint32_t x_phase = 0;  // parity of kXM1 (completes once per pair with an odd tile)
-  uint8_t* stage0 = smem + SmemLayout::k;
-  uint8_t* stage1 = stage0 + kTileBytes;
-  const uint32_t sq_addr = smem_u32(smem + SmemLayout::q);
-  const uint32_t st0 = smem_u32(stage0), st1 = smem_u32(stage1);
   uint32_t phase[2] = {0, 0};
   uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
 
@@ -437,7 +484,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
       const bool has_odd = t + 1 < r.num_tiles;
       const int key0 = r.kv_begin + t * kBlockN;
       float s[32], tile_max[2];
-      tile_scores<T, 0>(sq_addr, st0, full, phase[0], s);
+      tile_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0], s);
       mask_scores(p, r, rs, key0, lane, s, tile_max);
       float m0[2], c0[2], c1[2] = {1.0f, 1.0f}, sum[2];
       uint32_t pk[8][2];
@@ -450,59 +497,41 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
 #pragma unroll
       for (int j = 0; j < 2; ++j) l[j] = l[j] * c0[j] + sum[j];
 
-      // P0, m0 and c0 to WG2: P0 in stage 0's PE box once every warp's S0 is done with it.
-      named_sync(kBarLeft, 128);
-      store_p(stage0 + kPeBox * kBoxBytes, pk, rs, lane);
-      if ((lane & 3) == 0) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          s_m0[rs.row_local[j]] = m0[j];
-          s_c0[rs.row_local[j]] = c0[j];
-        }
-      }
-      fence_proxy_async();
-      mbar_arrive(&xbar[kXM0]);
+      sm.publish(kXM0, kBarLeft, pk, rs, m0, c0, lane);  // P0, m0, c0 to WG2
 
       const int keys0 = r.kv_end - key0;
-      if (keys0 < kBlockN) zero_tail_rows(stage0 + group_first_box(kGroupL) * kBoxBytes, keys0, wt, kBarLeft);
+      if (keys0 < kBlockN) zero_tail_rows(sm.stage0 + group_first_box(kGroupL) * kBoxBytes, keys0, wt, kBarLeft);
       scale_o(o, c0);
-      pv_rs<T>(pk, st0 + group_first_box(kGroupL) * kBoxBytes, o);
+      pv_rs<T>(pk, sm.st0 + group_first_box(kGroupL) * kBoxBytes, o);
 
       // m1, c1 (and P1 in stage 1's PE box) from WG2. The next pair's kXM0 arrival waits for
       // stage 0's next tile, which WG2 releases only after its wait on this pair's kXM0; WG2's
       // next kXM1 arrival follows its wait on the next kXM0, which follows this wait.
       if (has_odd) {
-        mbar_wait(&xbar[kXM1], x_phase);
+        mbar_wait(&sm.xbar[kXM1], x_phase);
         x_phase ^= 1;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          c1[j] = s_c1[rs.row_local[j]];
-          m[j] = s_m1[rs.row_local[j]];
+          c1[j] = sm.c1[rs.row_local[j]];
+          m[j] = sm.m1[rs.row_local[j]];
         }
       } else {
         m[0] = m0[0];
         m[1] = m0[1];
       }
-      wgmma_wait<0>();
-      fence_operands(o);
+      sm.finish_mma_release(o, 0, kGroupL, -1, lane);
       fence_operands(pk);  // P0 V0_L read pk until here: its registers must not be reused before
-      if (lane == 0) mbar_arrive(&empty[0 * kGroups + kGroupL]);
       phase[0] ^= 1;
 
       if (has_odd) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) l[j] *= c1[j];
         const int keys1 = r.kv_end - (key0 + kBlockN);
-        if (keys1 < kBlockN) zero_tail_rows(stage1 + group_first_box(kGroupL) * kBoxBytes, keys1, wt, kBarLeft);
-        mbar_wait(&full[1 * kGroups + kGroupL], phase[1]);
+        if (keys1 < kBlockN) zero_tail_rows(sm.stage1 + group_first_box(kGroupL) * kBoxBytes, keys1, wt, kBarLeft);
+        mbar_wait(&sm.full[1 * kGroups + kGroupL], phase[1]);
         scale_o(o, c1);
-        pv_ss<T>(st1 + kPeBox * kBoxBytes, st1 + group_first_box(kGroupL) * kBoxBytes, o);
-        wgmma_wait<0>();
-        fence_operands(o);
-        if (lane == 0) {
-          mbar_arrive(&empty[1 * kGroups + kGroupL]);
-          mbar_arrive(&empty[1 * kGroups + kGroupPe]);
-        }
+        pv_ss<T>(sm.st1 + kPeBox * kBoxBytes, sm.st1 + group_first_box(kGroupL) * kBoxBytes, o);
+        sm.finish_mma_release(o, 1, kGroupL, kGroupPe, lane);
         phase[1] ^= 1;
       }
     }
@@ -518,18 +547,8 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
   const DecodeParams& p = hp.p;
   const int wt = threadIdx.x - 256;
   const int lane = wt & 31;
-  const float* s_m0 = reinterpret_cast<const float*>(smem + SmemLayout::m0);
-  const float* s_c0 = reinterpret_cast<const float*>(smem + SmemLayout::c0);
-  float* s_m1 = reinterpret_cast<float*>(smem + SmemLayout::m1);
-  float* s_c1 = reinterpret_cast<float*>(smem + SmemLayout::c1);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
-  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
-  uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
+  ConsumerSmem sm(smem);
   uint32_t x_phase = 0;  // parity of kXM0 (completes once per pair)
-  uint8_t* stage0 = smem + SmemLayout::k;
-  uint8_t* stage1 = stage0 + kTileBytes;
-  const uint32_t sq_addr = smem_u32(smem + SmemLayout::q);
-  const uint32_t st0 = smem_u32(stage0), st1 = smem_u32(stage1);
   uint32_t phase[2] = {0, 0};
   uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
 
@@ -550,25 +569,25 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
       const int key0 = r.kv_begin + t * kBlockN;
       float s[32], tile_max[2] = {-INFINITY, -INFINITY};
       if (has_odd) {
-        tile_scores<T, 1>(sq_addr, st1, full, phase[1], s);
+        tile_scores<T, 1>(sm.sq_addr, sm.st1, sm.full, phase[1], s);
         mask_scores(p, r, rs, key0 + kBlockN, lane, s, tile_max);
       }
 
       // O_R = c0 O_R + P0 V0_R, running while this warpgroup's softmax of S1 is computed.
-      mbar_wait(&xbar[kXM0], x_phase);
+      mbar_wait(&sm.xbar[kXM0], x_phase);
       x_phase ^= 1;
       float m0[2], c0[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        m0[j] = s_m0[rs.row_local[j]];
-        c0[j] = s_c0[rs.row_local[j]];
+        m0[j] = sm.m0[rs.row_local[j]];
+        c0[j] = sm.c0[rs.row_local[j]];
         l[j] *= c0[j];
       }
       const int keys0 = r.kv_end - key0;
-      if (keys0 < kBlockN) zero_tail_rows(stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
-      mbar_wait(&full[0 * kGroups + kGroupR], phase[0]);
+      if (keys0 < kBlockN) zero_tail_rows(sm.stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
+      mbar_wait(&sm.full[0 * kGroups + kGroupR], phase[0]);
       scale_o(o, c0);
-      pv_ss<T>(st0 + kPeBox * kBoxBytes, st0 + group_first_box(kGroupR) * kBoxBytes, o);
+      pv_ss<T>(sm.st0 + kPeBox * kBoxBytes, sm.st0 + group_first_box(kGroupR) * kBoxBytes, o);
 
       if (has_odd) {
         float c1[2], sum[2];
@@ -579,44 +598,22 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
           c1[j] = rescale(m0[j], m[j]);
         }
         exp_scores<T>(s, m, pk, sum);
-        named_sync(kBarRight, 128);  // every warp's S1 is done before P1 overwrites the PE box
-        store_p(stage1 + kPeBox * kBoxBytes, pk, rs, lane);
-        if ((lane & 3) == 0) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            s_m1[rs.row_local[j]] = m[j];
-            s_c1[rs.row_local[j]] = c1[j];
-          }
-        }
-        fence_proxy_async();
-        mbar_arrive(&xbar[kXM1]);
+        sm.publish(kXM1, kBarRight, pk, rs, m, c1, lane);  // P1, m1, c1 to WG1
 
-        wgmma_wait<0>();
-        fence_operands(o);
-        if (lane == 0) {
-          mbar_arrive(&empty[0 * kGroups + kGroupR]);
-          mbar_arrive(&empty[0 * kGroups + kGroupPe]);
-        }
+        sm.finish_mma_release(o, 0, kGroupR, kGroupPe, lane);
 #pragma unroll
         for (int j = 0; j < 2; ++j) l[j] = l[j] * c1[j] + sum[j];
         const int keys1 = r.kv_end - (key0 + kBlockN);
-        if (keys1 < kBlockN) zero_tail_rows(stage1 + group_first_box(kGroupR) * kBoxBytes, keys1, wt, kBarRight);
+        if (keys1 < kBlockN) zero_tail_rows(sm.stage1 + group_first_box(kGroupR) * kBoxBytes, keys1, wt, kBarRight);
         scale_o(o, c1);
-        pv_rs<T>(pk, st1 + group_first_box(kGroupR) * kBoxBytes, o);
-        wgmma_wait<0>();
-        fence_operands(o);
+        pv_rs<T>(pk, sm.st1 + group_first_box(kGroupR) * kBoxBytes, o);
+        sm.finish_mma_release(o, 1, kGroupR, -1, lane);
         fence_operands(pk);  // P1 V1_R read pk until here
-        if (lane == 0) mbar_arrive(&empty[1 * kGroups + kGroupR]);
         phase[1] ^= 1;
       } else {
         m[0] = m0[0];
         m[1] = m0[1];
-        wgmma_wait<0>();
-        fence_operands(o);
-        if (lane == 0) {
-          mbar_arrive(&empty[0 * kGroups + kGroupR]);
-          mbar_arrive(&empty[0 * kGroups + kGroupPe]);
-        }
+        sm.finish_mma_release(o, 0, kGroupR, kGroupPe, lane);
       }
       phase[0] ^= 1;
     }
