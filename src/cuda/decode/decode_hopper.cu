@@ -42,7 +42,6 @@
 #include <cuda_fp16.h>
 #include <cudaTypedefs.h>
 
-#include <climits>
 #include <cstdint>
 
 #include "cuda/common/dependent_launch.cuh"
@@ -91,7 +90,7 @@ constexpr int kExchanges = 4;
 struct SmemLayout {
   static constexpr int q = 0;
   static constexpr int k = q + kTileBytes;
-  static constexpr int m0 = k + kStages * kTileBytes;  // 6 arrays of 64 floats
+  static constexpr int m0 = k + kStages * kTileBytes;  // row statistics, 64 floats each
   static constexpr int c0 = m0 + 64 * 4;
   static constexpr int m1 = c0 + 64 * 4;
   static constexpr int c1 = m1 + 64 * 4;
@@ -277,15 +276,19 @@ __device__ __forceinline__ void mask_scores(const DecodeParams& p, const ItemRan
   }
 }
 
+// The row max used as the exponent's offset: m = -inf (no key seen yet) is taken as 0, so that
+// exp2 arguments stay finite (and exp2(-inf - 0) = 0 for masked keys).
+__device__ __forceinline__ float max_offset(float m) { return m == -INFINITY ? 0.0f : m; }
+
 // P = exp2(S - m) rounded to T, packed in the accumulator layout; returns the row sums of the
-// rounded values (this thread's part). m = -inf (no key seen yet) is taken as 0.
+// rounded values (this thread's part).
 template <typename T>
 __device__ __forceinline__ void exp_scores(const float (&s)[32], const float (&m)[2], uint32_t (&pk)[8][2],
                                            float (&sum)[2]) {
   float m_use[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    m_use[j] = m[j] == -INFINITY ? 0.0f : m[j];
+    m_use[j] = max_offset(m[j]);
     sum[j] = 0.0f;
   }
 #pragma unroll
@@ -299,9 +302,9 @@ __device__ __forceinline__ void exp_scores(const float (&s)[32], const float (&m
   }
 }
 
-// exp2(m_old - m_new) with m_new = -inf taken as 0: the factor that moves sums at m_old to m_new.
+// The factor that moves sums taken at max m_old to max m_new.
 __device__ __forceinline__ float rescale(float m_old, float m_new) {
-  return fast_exp2(m_old - (m_new == -INFINITY ? 0.0f : m_new));
+  return fast_exp2(m_old - max_offset(m_new));
 }
 
 // Writes P (accumulator layout) into a swizzled box.

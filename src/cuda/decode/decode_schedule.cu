@@ -156,9 +156,9 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   __shared__ long long scan64[33];
   __shared__ int scan32[33];
   __shared__ int max_unit_cost;
-  allow_dependent_launch();  // the decode kernel's CTAs start and wait for this plan
   __shared__ SplitPieces long_units[kLongUnitQueue];
   __shared__ int num_long_units;
+  allow_dependent_launch();  // the decode kernel's CTAs start and wait for this plan
   const int tid = threadIdx.x;
   const int batch = pp.layout.batch_size;
   const int num_heads = pp.layout.num_heads;
