@@ -4,6 +4,7 @@
 //   mma_m16n8k16<T>   D[16x8] += A[16x16] * B[16x8], A row-major, B column-major, fp32 accumulate
 //   ldmatrix_x4(_trans) four 8x8 b16 matrices from shared memory into a warp's fragments
 //   cp_async_16       16-byte global -> shared copy (cp.async.cg), optionally zero-filled
+//   prefetch_l2       asks L2 to fetch a byte range ahead of its use, without waiting
 //
 // Fragment layouts follow the PTX ISA "Matrix Fragments for mma.m16n8k16" tables: for the
 // accumulator, lane l holds rows (l/4) and (l/4 + 8), columns 2*(l%4) and 2*(l%4)+1.
@@ -77,6 +78,16 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)),
                "l"(gmem_src), "r"(src_bytes));
+}
+// Asks L2 to fetch [ptr, ptr + bytes) without waiting for it: one bulk prefetch on sm_90 (ptr
+// 16-byte aligned, bytes a multiple of 16), one prefetch per 128-byte line before.
+__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");
+#else
+  for (uint32_t off = 0; off < bytes; off += 128)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(static_cast<const char*>(ptr) + off));
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -1,5 +1,6 @@
 // Device helpers shared by the decode kernels (the portable mma.sync kernel and the Hopper
-// wgmma kernel): exp2, 16-bit packing, and output stores in the caller's dtype.
+// wgmma kernel): exp2, 16-bit packing, output stores in the caller's dtype, and the L2 prefetch
+// of cache rows ahead of their loads.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/common/warp_mma.cuh"
 #include "cuda/decode/decode_params.cuh"
 
 namespace mla::cuda::decode {
@@ -68,6 +70,22 @@ __device__ __forceinline__ void store_out_pair(const DecodeParams& p, void* row_
       break;
     }
   }
+}
+
+// Asks L2 for the cache rows of keys [key, key + count) of `request`, which must lie in one page
+// (its rows are contiguous); keys at or past kv_end and pages outside the pool are skipped. The
+// loads of those keys a tile or two later then wait for L2 rather than for memory, and each SM
+// keeps more bytes in flight than its shared-memory stages hold.
+__device__ __forceinline__ void prefetch_keys_l2(const DecodeParams& p, int request, int key, int count,
+                                                 int kv_end) {
+  if (key >= kv_end) return;
+  if (count > kv_end - key) count = kv_end - key;
+  const int page = p.block_table[int64_t(request) * p.block_table_stride_b +
+                                 int64_t(key >> p.page_shift) * p.block_table_stride_j];
+  if (page < 0 || page >= p.num_pages) return;
+  const int64_t slot = (int64_t(page) << p.page_shift) | (key & ((1 << p.page_shift) - 1));
+  const int64_t row_bytes = p.kv_is_fp8 ? kHeadDim : kHeadDim * 2;
+  prefetch_l2(static_cast<const char*>(p.kv_cache) + slot * row_bytes, uint32_t(count * row_bytes));
 }
 
 // Address of output row (token, head), as bytes.

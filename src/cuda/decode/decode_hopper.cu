@@ -12,7 +12,8 @@
 // each with its own full (TMA bytes) and empty barrier: L = dims 0..255 (boxes 0-3), R = dims
 // 256..511 (boxes 4-7), PE = dims 512..575 (box 8).
 //   WG0  producers: thread 0 loads the even tiles into stage 0 (groups L, R, PE in that order),
-//        thread 32 the odd tiles into stage 1 (R, L, PE): each group as soon as it is released.
+//        thread 32 the odd tiles into stage 1 (R, L, PE): each group as soon as it is released,
+//        and the stage's next tile is prefetched to L2 right after.
 //   WG1  owns O[:, 0:256] and the even tiles' scores; WG2 owns O[:, 256:512] and the odd ones'.
 //        With m the running row max (shared), per pair (tiles 0 and 1 of the pair):
 //          WG1: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); c0 = exp2(m - m0)
@@ -148,11 +149,15 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     for (int t = stage; t < r.num_tiles; t += 2) {
+      const int key0 = r.kv_begin + t * kBlockN;
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(stage, i);
         mbar_wait(&empty[g], phase ^ 1);
-        issue_group(hp, item.request, r.kv_begin + t * kBlockN, r.kv_end, tile, g, &full[g]);
+        issue_group(hp, item.request, key0, r.kv_end, tile, g, &full[g]);
       }
+      // The stage's next tile to L2, so that its load waits for L2 once the stage is released.
+      for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
+        prefetch_keys_l2(p, item.request, key0 + 2 * kBlockN + sub, hp.box_rows, r.kv_end);
       phase ^= 1;
     }
   }

@@ -13,7 +13,9 @@
 //   * payload = ceil(total / num_parts), at least kMinBlocksPerPart; and when the largest unit
 //     costs at most 5/4 of that, payload grows to it. A batch of equal units that nearly fills
 //     the GPU (64 requests x 2 row tiles on 132 SMs) then runs one unit per CTA, unsplit,
-//     instead of splitting almost every unit in two.
+//     instead of splitting almost every unit in two. Likewise when k >= 2 largest units cover
+//     the share with less than a quarter unit to spare: payload = k units (128 requests x 2 row
+//     tiles on 132 SMs run two whole units per CTA).
 //   * a cut that falls within `snap` = max(kOverheadBlocks, payload / 8) blocks of a unit's
 //     start or end moves to that edge (the CTA on one side takes a little more), so no piece is
 //     smaller than the fixed cost it adds. Moving a cut only ever affects the one unit it falls
@@ -198,7 +200,15 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   const long long cost_base = block_exclusive_sum(my_cost, scan64, total_cost);  // syncs
   const long long even = (total_cost + parts - 1) / parts;
   long long payload = even < kMinBlocksPerPart ? kMinBlocksPerPart : even;
-  if (4LL * max_unit_cost <= 5LL * even && max_unit_cost > payload) payload = max_unit_cost;
+  // Whole units: k = the fewest largest units that cover the even share. When k of them cost at
+  // most a quarter of a unit more than the share (one unit: at most 5/4 of the share), the
+  // payload grows to k units, so that equal units are never cut: the makespan is the same as
+  // with the share (some CTA runs k units either way) and no piece pays for its partial result.
+  const long long k_units = (even + max_unit_cost - 1) / (max_unit_cost > 0 ? max_unit_cost : 1);
+  const long long whole = k_units * max_unit_cost;
+  const bool whole_fits = k_units <= 1 ? 4LL * max_unit_cost <= 5LL * even
+                                       : 4LL * (whole - even) <= max_unit_cost;
+  if (whole_fits && whole > payload) payload = whole;
   const long long snap = payload / 8 > kOverheadBlocks ? payload / 8 : kOverheadBlocks;
   auto part_of = [&](long long position) {
     const long long q = position / payload;
