@@ -5,14 +5,19 @@
 // piece k's normalised output (already scaled by k_scale). Pieces whose rows saw no key have
 // lse_k = -inf and weigh nothing; a row with no key in any piece gets out 0 and lse -inf.
 //
-// Grid: (num_parts, ceil(block_m / 2)): x = split unit x lane (CTAs past the planned count exit at once,
-// so the grid is fixed and graph-capturable), y = pair of rows. Each row gets 4 warps; warp j of
-// a row sums pieces j, j + 4, ... (4 pieces per step, so 16 independent 16-byte loads per lane
-// are in flight), each lane owning 16 of the 512 columns; the 4 partial sums meet in shared
-// memory. A long request split over ~130 CTAs thus costs ~8 memory round trips, not ~130.
+// Grid: a fixed kCtasPerPart x num_parts CTAs (one resident wave; graph-capturable, since the
+// number of split units is only known on the device), walking the jobs with a grid stride. A
+// job is kWarps / W rows, W warps per row, where W (1, 2, 4 or 8) follows the plan's largest
+// piece count: warp j of a row sums pieces j, j + W, ... (4 pieces per step, so 16 independent
+// 16-byte loads per lane are in flight), each lane owning 16 of the 512 columns, and the W
+// partial sums meet in shared memory. The row's LSE takes one pass over the pieces' LSEs
+// (running max and sum together). A request split over ~130 CTAs costs ~6 memory round trips;
+// a large batch of units in two or three pieces gives each row one warp and two round trips.
 //
 // Version history: v1 one warp per row, one piece per step (latency-bound: ~45 us for one 32k
-// request with 16 heads on an H200); v2 four warps per row, four pieces per step.
+// request with 16 heads on an H200); v2 four warps per row, four pieces per step, two passes for
+// the LSE, one CTA per (split unit, row pair) in a fixed grid of mostly idle CTAs; v3 W warps
+// per row from the plan's largest piece count, one LSE pass, grid-stride over the rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -25,10 +30,67 @@
 namespace mla::cuda::decode {
 namespace {
 
-constexpr int kWarpsPerRow = 4;
-constexpr int kRowsPerCta = 2;
-constexpr int kThreadsPerCta = kWarpsPerRow * kRowsPerCta * 32;
-constexpr int kUnroll = 4;  // pieces per step of one warp
+constexpr int kWarps = 8;
+constexpr int kThreadsPerCta = kWarps * 32;
+constexpr int kUnroll = 4;       // pieces per step of one warp
+constexpr int kCtasPerPart = 4;  // combine CTAs per decode CTA: 4 x 256 threads fill an SM
+
+// Warps per row for units of up to `max_pieces` pieces: enough for one step of kUnroll pieces
+// each, a power of two up to kWarps.
+__device__ __forceinline__ int warps_per_row(int max_pieces) {
+  int w = 1;
+  while (w < kWarps && w * kUnroll < max_pieces) w *= 2;
+  return w;
+}
+
+// Running (max, sum of exp(x - max)) pairs: merges b into a. An empty pair has max -inf, sum 0.
+__device__ __forceinline__ void merge_lse(float& max_a, float& sum_a, float max_b, float sum_b) {
+  const float m = fmaxf(max_a, max_b);
+  if (m == -INFINITY) return;  // both empty
+  sum_a = sum_a * expf(max_a - m) + sum_b * expf(max_b - m);
+  max_a = m;
+}
+
+// Sum over the split unit's pieces of exp(lse_k - lse) * out_k for columns 4 (lane + 32 i) of
+// this warp's pieces j, j + stride, ... (stride: the row's warps)
+__device__ __forceinline__ void sum_pieces(const float4* base, const float* lse_k, int n, int j,
+                                           int stride, int lane, float lse, float4 (&acc)[4]) {
+  constexpr int64_t kSlotStride4 = int64_t(kMaxBlockM) * kValueDim / 4;  // float4 per slot
+  int k = j;
+  for (; k + (kUnroll - 1) * stride < n; k += kUnroll * stride) {
+    float w[kUnroll];
+    float4 v[kUnroll][4];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int piece = k + u * stride;
+      w[u] = lse_k[int64_t(piece) * kMaxBlockM];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[u][i] = base[piece * kSlotStride4 + lane + 32 * i];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const float wu = expf(w[u] - lse);  // 0 for an empty piece
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[i].x += wu * v[u][i].x;
+        acc[i].y += wu * v[u][i].y;
+        acc[i].z += wu * v[u][i].z;
+        acc[i].w += wu * v[u][i].w;
+      }
+    }
+  }
+  for (; k < n; k += stride) {
+    const float wu = expf(lse_k[int64_t(k) * kMaxBlockM] - lse);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 v = base[k * kSlotStride4 + lane + 32 * i];
+      acc[i].x += wu * v.x;
+      acc[i].y += wu * v.y;
+      acc[i].z += wu * v.z;
+      acc[i].w += wu * v.w;
+    }
+  }
+}
 
 __device__ __forceinline__ void store_out4(const DecodeParams& p, void* row_base, int col,
                                            const float4& v) {
@@ -77,110 +139,92 @@ __device__ __forceinline__ void store_out4(const DecodeParams& p, void* row_base
 
 __global__ void __launch_bounds__(kThreadsPerCta)
     mla_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
-  __shared__ float4 partial[kThreadsPerCta / 32][32][4];  // per warp: its lanes' 16 columns
+  __shared__ float4 partial[kWarps][32][4];  // per warp: its lanes' 16 columns
   wait_for_prior_grids();  // the decode kernel's partial results are written
   const ScheduleHeader& header = *p.schedule.header;
-  // Job x: split unit x / lanes, row tile (lane) x % lanes, its slots offset by the lane.
-  if (int(blockIdx.x) >= header.num_split_units * header.lanes) return;
-  SplitUnit unit = p.schedule.split_units[int(blockIdx.x) / header.lanes];
-  if (header.lanes > 1) {
-    const int lane = int(blockIdx.x) % header.lanes;
-    unit.row_tile = lane;
-    unit.slot_begin += lane * header.num_slots;
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row_in_cta = warp / kWarpsPerRow, j = warp % kWarpsPerRow;
   const int block_m = header.block_m;
-  const int row_local = int(blockIdx.y) * kRowsPerCta + row_in_cta;
+  const int rows = header.num_split_units * header.lanes * block_m;
+  const int w = warps_per_row(header.max_pieces);
+  const int rows_per_job = kWarps / w;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int j = warp % w;  // this warp's place among its row's warps
   const int num_heads = p.layout.num_heads;
-  const RequestGeometry g = request_geometry(p.layout, unit.request);
-  const int r = unit.row_tile * block_m + row_local;
-  const bool valid = row_local < block_m && r < g.q_len * num_heads;  // same for a row's 4 warps
-
-  float4 acc[4];
+  for (int job = int(blockIdx.x); job * rows_per_job < rows; job += int(gridDim.x)) {
+    // Row gr: split unit x lane u = gr / block_m (unit u / lanes, row tile u % lanes with its
+    // slots offset by the lane), row row_local of the tile.
+    const int gr = job * rows_per_job + warp / w;
+    const int u = gr / block_m, row_local = gr - u * block_m;
+    bool valid = gr < rows;
+    SplitUnit unit{};
+    RequestGeometry g{};
+    int r = 0;
+    if (valid) {
+      unit = p.schedule.split_units[u / header.lanes];
+      if (header.lanes > 1) {
+        const int tile_lane = u % header.lanes;
+        unit.row_tile = tile_lane;
+        unit.slot_begin += tile_lane * header.num_slots;
+      }
+      g = request_geometry(p.layout, unit.request);
+      r = unit.row_tile * block_m + row_local;
+      valid = r < g.q_len * num_heads;  // same for a row's warps
+    }
+    float4 acc[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  float lse = -INFINITY;
-  const int n = unit.num_pieces;
-  const float* lse_k = p.schedule.partial_lse + int64_t(unit.slot_begin) * kMaxBlockM + row_local;
-  if (valid) {
-    float lse_max = -INFINITY;
-    for (int k = lane; k < n; k += 32) lse_max = fmaxf(lse_max, lse_k[int64_t(k) * kMaxBlockM]);
+    for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float lse = -INFINITY;
+    if (valid) {
+      const int n = unit.num_pieces;
+      const float* lse_k = p.schedule.partial_lse + int64_t(unit.slot_begin) * kMaxBlockM + row_local;
+      float lse_max = -INFINITY, lse_sum = 0.0f;
+      for (int k = lane; k < n; k += 32) merge_lse(lse_max, lse_sum, lse_k[int64_t(k) * kMaxBlockM], 1.0f);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, off));
-    if (lse_max != -INFINITY) {
-      float sum = 0.0f;
-      for (int k = lane; k < n; k += 32) sum += expf(lse_k[int64_t(k) * kMaxBlockM] - lse_max);
+      for (int off = 16; off > 0; off >>= 1) {
+        const float other_max = __shfl_xor_sync(0xffffffffu, lse_max, off);
+        const float other_sum = __shfl_xor_sync(0xffffffffu, lse_sum, off);
+        merge_lse(lse_max, lse_sum, other_max, other_sum);
+      }
+      if (lse_max != -INFINITY) {
+        lse = lse_max + logf(lse_sum);
+        const float4* base = reinterpret_cast<const float4*>(
+            p.schedule.partial_out + (int64_t(unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
+        sum_pieces(base, lse_k, n, j, w, lane, lse, acc);
+      }
+    }
+    if (w > 1) {
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      lse = lse_max + logf(sum);
-      const float4* base = reinterpret_cast<const float4*>(
-          p.schedule.partial_out + (int64_t(unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
-      constexpr int64_t kSlotStride4 = int64_t(kMaxBlockM) * kValueDim / 4;  // float4 per slot
-      int k = j;
-      for (; k + (kUnroll - 1) * kWarpsPerRow < n; k += kUnroll * kWarpsPerRow) {
-        float w[kUnroll];
-        float4 v[kUnroll][4];
+      for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
+      __syncthreads();
+      if (j == 0) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int piece = k + u * kWarpsPerRow;
-          w[u] = lse_k[int64_t(piece) * kMaxBlockM];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) v[u][i] = base[piece * kSlotStride4 + lane + 32 * i];
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const float wu = expf(w[u] - lse);  // 0 for an empty piece
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            acc[i].x += wu * v[u][i].x;
-            acc[i].y += wu * v[u][i].y;
-            acc[i].z += wu * v[u][i].z;
-            acc[i].w += wu * v[u][i].w;
+        for (int i = 0; i < 4; ++i) {
+          for (int other = 1; other < w; ++other) {
+            const float4 v = partial[warp + other][lane][i];
+            acc[i].x += v.x;
+            acc[i].y += v.y;
+            acc[i].z += v.z;
+            acc[i].w += v.w;
           }
         }
       }
-      for (; k < n; k += kWarpsPerRow) {
-        const float wu = expf(lse_k[int64_t(k) * kMaxBlockM] - lse);
+      __syncthreads();  // partial[] is free for the next job
+    }
+    if (valid && j == 0) {
+      const int64_t token = g.q_start + r / num_heads;
+      const int head = r % num_heads;
+      const int64_t elem = p.out_dtype == kOutFP32 ? 4 : 2;
+      void* row_base = static_cast<char*>(p.out) + (token * p.out_stride_t + head * p.out_stride_h) * elem;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float4 v = base[k * kSlotStride4 + lane + 32 * i];
-          acc[i].x += wu * v.x;
-          acc[i].y += wu * v.y;
-          acc[i].z += wu * v.z;
-          acc[i].w += wu * v.w;
-        }
-      }
+      for (int i = 0; i < 4; ++i) store_out4(p, row_base, 4 * (lane + 32 * i), acc[i]);
+      if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
     }
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
-  __syncthreads();
-  if (!valid || j != 0) return;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int other = 1; other < kWarpsPerRow; ++other) {
-      const float4 v = partial[warp + other][lane][i];
-      acc[i].x += v.x;
-      acc[i].y += v.y;
-      acc[i].z += v.z;
-      acc[i].w += v.w;
-    }
-  }
-  const int64_t token = g.q_start + r / num_heads;
-  const int head = r % num_heads;
-  const int64_t elem = p.out_dtype == kOutFP32 ? 4 : 2;
-  void* row_base = static_cast<char*>(p.out) + (token * p.out_stride_t + head * p.out_stride_h) * elem;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) store_out4(p, row_base, 4 * (lane + 32 * i), acc[i]);
-  if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
 }
 
 }  // namespace
 
-void launch_combine_kernel(const DecodeParams& params, int block_m, cudaStream_t stream) {
-  const dim3 grid(unsigned(params.schedule.num_parts), unsigned((block_m + kRowsPerCta - 1) / kRowsPerCta));
+void launch_combine_kernel(const DecodeParams& params, cudaStream_t stream) {
+  const dim3 grid(unsigned(kCtasPerPart * params.schedule.num_parts));
   launch_dependent(mla_decode_combine_kernel, grid, dim3(kThreadsPerCta), 0, stream, params);
 }
 

@@ -253,7 +253,7 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   } else {
     launch_for_rows<__half>(block_m, p, grid, cs);
   }
-  if (p.has_schedule) launch_combine_kernel(p, block_m, cs);
+  if (p.has_schedule) launch_combine_kernel(p, cs);
 }
 
 }  // namespace mla::cuda

@@ -22,7 +22,7 @@ template <typename T, int kRowTiles>
 void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream);
 
 // Combine kernel: merges the pieces of every split unit of a planned schedule.
-void launch_combine_kernel(const DecodeParams& params, int block_m, cudaStream_t stream);
+void launch_combine_kernel(const DecodeParams& params, cudaStream_t stream);
 
 // Plan kernel: writes the schedule of one batch into the workspace.
 void launch_plan_kernel(const PlanParams& params, cudaStream_t stream);

@@ -160,6 +160,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   __shared__ int max_unit_cost;
   __shared__ SplitPieces long_units[kLongUnitQueue];
   __shared__ int num_long_units;
+  __shared__ int max_pieces;
   allow_dependent_launch();  // the decode kernel's CTAs start and wait for this plan
   const int tid = threadIdx.x;
   const int batch = pp.layout.batch_size;
@@ -182,6 +183,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   if (tid == 0) {
     max_unit_cost = 0;
     num_long_units = 0;
+    max_pieces = 1;
   }
   long long my_cost = 0;
   int my_max = 0;
@@ -218,6 +220,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   // Pass 2: items, split units and slots of this thread's units.
   int my_items = 0, my_splits = 0, my_slots = 0;
   int my_last_part = -1;  // part of this thread's last item
+  int my_max_pieces = 1;
   {
     long long pos = cost_base;
     for (int b = b_begin; b < b_end; ++b) {
@@ -237,11 +240,13 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
         if (pieces > 1) {
           my_splits += 1;
           my_slots += pieces;
+          my_max_pieces = max(my_max_pieces, pieces);
         }
         pos += nb + kOverheadBlocks;
       }
     }
   }
+  if (my_max_pieces > 1) atomicMax(&max_pieces, my_max_pieces);  // read after the scans' syncs
   int num_items = 0, num_splits = 0, num_slots = 0;
   const int item_base = block_exclusive_sum(my_items, scan32, num_items);
   const int split_base = block_exclusive_sum(my_splits, scan32, num_splits);
@@ -326,6 +331,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
     h.num_parts = pp.num_parts;
     h.lanes = lanes;
     h.num_slots = num_slots;
+    h.max_pieces = max_pieces;
     // A plan that does not fit its workspace (impossible by the capacity bounds above) is
     // marked so that the decode kernel traps instead of producing wrong results.
     if (num_items > pp.max_items || num_splits > pp.max_split_units ||
