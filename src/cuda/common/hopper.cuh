@@ -53,6 +53,14 @@ __device__ __forceinline__ uint64_t mn_major_desc(uint32_t addr, uint32_t mn_str
   return d.desc_;
 }
 
+// The descriptor of the operand `bytes` (a multiple of 16) further on: only the start address
+// field (bits 0-13, address / 16) changes, and shared addresses stay below 256 KB, so the sum
+// never carries out of it. One 32-bit add instead of rebuilding the descriptor per wgmma.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // Byte offset of 16-bit element (row, col) in a swizzled box of 64-value rows.
 __device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
   return uint32_t(row) * 128u + ((uint32_t(col >> 3) ^ uint32_t(row & 7)) << 4) + uint32_t(col & 7) * 2u;

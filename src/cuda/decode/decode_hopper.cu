@@ -242,6 +242,7 @@ __device__ __forceinline__ RowState row_state(const DecodeParams& p, const ItemR
 template <typename T, int kStage>
 __device__ __forceinline__ void tile_scores(uint32_t sq_addr, uint32_t tile_addr, uint64_t* full,
                                             uint32_t phase, float (&s)[32]) {
+  const uint64_t dq = k_major_desc(sq_addr), dk = k_major_desc(tile_addr);
   wgmma_fence();
 #pragma unroll
   for (int i = 0; i < kGroups; ++i) {
@@ -250,7 +251,7 @@ __device__ __forceinline__ void tile_scores(uint32_t sq_addr, uint32_t tile_addr
 #pragma unroll
     for (int kk = 0; kk < 4 * group_boxes(g); ++kk) {
       const uint32_t off = (group_first_box(g) + (kk >> 2)) * kBoxBytes + (kk & 3) * 32;
-      wgmma_64x64<T>(k_major_desc(sq_addr + off), k_major_desc(tile_addr + off), s, i > 0 || kk > 0);
+      wgmma_64x64<T>(desc_advance(dq, off), desc_advance(dk, off), s, i > 0 || kk > 0);
     }
   }
   wgmma_commit();
@@ -344,20 +345,22 @@ __device__ __forceinline__ void scale_o(float (&o)[128], const float (&c)[2]) {
 // O_half += P V_half over one 64-key tile: P from registers (pk) or from a swizzled box (p_addr).
 template <typename T>
 __device__ __forceinline__ void pv_rs(const uint32_t (&pk)[8][2], uint32_t v_addr, float (&o)[128]) {
+  const uint64_t dv = mn_major_desc(v_addr, kBoxBytes);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 16; ++kk) {
     const uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
-    wgmma_64x256_rs<T>(a, mn_major_desc(v_addr + kk * 16 * 128, kBoxBytes), o);
+    wgmma_64x256_rs<T>(a, desc_advance(dv, kk * 16 * 128), o);
   }
   wgmma_commit();
 }
 template <typename T>
 __device__ __forceinline__ void pv_ss(uint32_t p_addr, uint32_t v_addr, float (&o)[128]) {
+  const uint64_t dp = k_major_desc(p_addr), dv = mn_major_desc(v_addr, kBoxBytes);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 16; ++kk)
-    wgmma_64x256_ss<T>(k_major_desc(p_addr + kk * 32), mn_major_desc(v_addr + kk * 16 * 128, kBoxBytes), o);
+    wgmma_64x256_ss<T>(desc_advance(dp, kk * 32), desc_advance(dv, kk * 16 * 128), o);
   wgmma_commit();
 }
 
