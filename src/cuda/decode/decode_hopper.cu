@@ -260,19 +260,29 @@ __device__ __forceinline__ void tile_scores(uint32_t sq_addr, uint32_t tile_addr
 }
 
 // Masks S (the item's key range, each row's causal limit), scales it to the exp2 domain and
-// returns this thread's part of each row's max (reduced over the quad).
+// returns this thread's part of each row's max (reduced over the quad). A tile that both rows
+// see whole (every tile but the item's last, and the causal edge's) only scales.
 __device__ __forceinline__ void mask_scores(const DecodeParams& p, const ItemRange& r, const RowState& rs,
                                             int key0, int lane, float (&s)[32], float (&tile_max)[2]) {
   tile_max[0] = tile_max[1] = -INFINITY;
+  const int last_key = key0 + kBlockN - 1;
+  if (last_key < r.kv_end && last_key <= rs.key_limit[0] && last_key <= rs.key_limit[1]) {
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
+    for (int i = 0; i < 32; ++i) {
+      s[i] *= p.score_scale_log2;
+      tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s[i]);
+    }
+  } else {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int j = e >> 1;
-      const int key = key0 + n * 8 + 2 * (lane & 3) + (e & 1);
-      const bool seen = key < r.kv_end && key <= rs.key_limit[j];
-      s[4 * n + e] = seen ? s[4 * n + e] * p.score_scale_log2 : -INFINITY;
-      tile_max[j] = fmaxf(tile_max[j], s[4 * n + e]);
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = e >> 1;
+        const int key = key0 + n * 8 + 2 * (lane & 3) + (e & 1);
+        const bool seen = key < r.kv_end && key <= rs.key_limit[j];
+        s[4 * n + e] = seen ? s[4 * n + e] * p.score_scale_log2 : -INFINITY;
+        tile_max[j] = fmaxf(tile_max[j], s[4 * n + e]);
+      }
     }
   }
 #pragma unroll
@@ -337,7 +347,10 @@ __device__ __forceinline__ void zero_tail_rows(uint8_t* boxes, int keys, int wt,
   named_sync(bar, 128);
 }
 
+// O *= c per row. A warp whose rows all keep their max (c == 1: most tiles once the max has
+// settled) skips the 128 multiplies, which change nothing then.
 __device__ __forceinline__ void scale_o(float (&o)[128], const float (&c)[2]) {
+  if (!__any_sync(0xffffffffu, c[0] != 1.0f || c[1] != 1.0f)) return;
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] *= c[(i >> 1) & 1];
 }
