@@ -158,7 +158,8 @@ size_t free_device_memory() {
 // The header plan_decode writes at the start of a schedule (src/cuda/decode/decode_params.cuh,
 // ScheduleHeader): read here to see whether a long request was split over several CTAs.
 struct ScheduleHeaderCopy {
-  int magic, num_items, num_split_units, block_m, batch_size, num_heads, num_parts, lanes, num_slots, max_pieces;
+  int magic, num_items, num_split_units, block_m, batch_size, num_heads, num_parts, lanes, num_slots,
+      max_pieces;
 };
 constexpr int kScheduleMagic = 0x4d4c4144;
 
