@@ -15,17 +15,12 @@
 //        thread 32 the odd tiles into stage 1 (R, L, PE): each group as soon as it is released,
 //        and the stage's next tile is prefetched to L2 right after.
 //   WG1  owns O[:, 0:256] and the even tiles' scores; WG2 owns O[:, 256:512] and the odd ones'.
-//        With m the running row max (shared), per pair (tiles 0 and 1 of the pair):
-//          WG1: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); c0 = exp2(m - m0)
-//               -> P0 (in stage 0's PE box), m0, c0 to WG2;   O_L = c0 O_L + P0 V0_L
-//          WG2: S1 = Q K1^T; O_R = c0 O_R + P0 V0_R while it computes
-//               m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1); c1 = exp2(m0 - m1)
-//               -> P1 (in stage 1's PE box), m1, c1 to WG1;   O_R = c1 O_R + P1 V1_R
-//          WG1: O_L = c1 O_L + P1 V1_L
-//        So one warpgroup's softmax runs while the other's MMAs do, and stage 0 is released
-//        half-way through the pair. The PE boxes hold the exchanged P once the scores are done,
-//        so Q and both stages fit. Row sums are kept per warpgroup (even / odd tiles, each at the
-//        current max) and added at the end.
+//        The order within a pair is at run_left: each warpgroup issues the scores of its next
+//        tile before the pair's last waits; the row max goes WG1 -> WG2 (m0), the odd tile's P
+//        and max WG2 -> WG1 (P1, m1), and the even tile's P at the pair's final max back to WG2
+//        (P0' = exp2(S0 - m1)), all through shared memory (the PE boxes hold the exchanged P once
+//        the scores are done, so Q and both stages fit). Row sums are kept per warpgroup (even /
+//        odd tiles, each at the current max) and added at the end.
 // Released groups: stage 0's L by WG1 after P0 V0_L, R and PE by WG2 after P0 V0_R; stage 1's
 // R by WG2 after P1 V1_R, L and PE by WG1 after P1 V1_L.
 //
@@ -33,7 +28,9 @@
 // barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
 //
 // Numerics match the portable kernel: fp32 scores in the exp2 domain, P rounded to the compute
-// dtype before P V, row sums of the rounded values, natural-log LSE. Keys of the last tile past
+// dtype before P V, row sums of the rounded values, natural-log LSE; except that O[:, 256:512]
+// gets the even tile's P rounded at the pair's final max (a difference of at most one rounding
+// of the compute dtype against the row sum). Keys of the last tile past
 // the item's range are masked out of S and their V rows zeroed in shared memory before P V, so
 // NaN in unused cache slots never reaches the output.
 #include "cuda/decode/decode_hopper.hpp"
@@ -81,12 +78,13 @@ constexpr int kBarRight = 3;  // WG2 alone
 // Exchanges between the consumer warpgroups, once per pair: mbarriers that every thread of the
 // writer arrives at (release) and the reader waits on (acquire), so the writer never waits. A
 // writer cannot complete one twice before the reader's wait: its next arrival depends on the
-// reader through the other exchange or through the stage the reader releases (see run_left).
-constexpr int kXM0 = 0;  // WG1 -> WG2: P0, m0, c0
-constexpr int kXM1 = 1;  // WG2 -> WG1: P1, m1, c1
-constexpr int kXL0 = 2;  // WG1 -> WG2: row sums of the even tiles, at the end of an item
-constexpr int kXL1 = 3;  // WG2 -> WG1: row sums of the odd tiles
-constexpr int kExchanges = 4;
+// reader through another exchange or through a stage the reader releases (see run_left).
+constexpr int kXA = 0;   // WG1 -> WG2: m0, c0 (every pair)
+constexpr int kXB = 1;   // WG2 -> WG1: P1 (stage 1's PE box), m1, c1 (pairs with an odd tile)
+constexpr int kXC = 2;   // WG1 -> WG2: P0 at the pair's final max m1 (stage 0's PE box; every pair)
+constexpr int kXL0 = 3;  // WG1 -> WG2: row sums of the even tiles, at the end of an item
+constexpr int kXL1 = 4;  // WG2 -> WG1: row sums of the odd tiles
+constexpr int kExchanges = 5;
 
 struct SmemLayout {
   static constexpr int q = 0;
@@ -238,14 +236,15 @@ __device__ __forceinline__ RowState row_state(const DecodeParams& p, const ItemR
   return rs;
 }
 
-// S = Q K^T of the tile in `stage` (64 x 64 over the 576 dims), each group as soon as it lands.
+// Issues S (+)= Q K^T over groups [first, last) of the load order of the tile in `stage`, each
+// group as soon as it lands (first == 0 starts S from zero), as one commit group; no wait.
 template <typename T, int kStage>
-__device__ __forceinline__ void tile_scores(uint32_t sq_addr, uint32_t tile_addr, uint64_t* full,
-                                            uint32_t phase, float (&s)[32]) {
+__device__ __forceinline__ void issue_scores(uint32_t sq_addr, uint32_t tile_addr, uint64_t* full,
+                                             uint32_t phase, float (&s)[32], int first, int last) {
   const uint64_t dq = k_major_desc(sq_addr), dk = k_major_desc(tile_addr);
-  wgmma_fence();
 #pragma unroll
   for (int i = 0; i < kGroups; ++i) {
+    if (i < first || i >= last) continue;
     const int g = group_order(kStage, i);
     mbar_wait(&full[kStage * kGroups + g], phase);
 #pragma unroll
@@ -255,6 +254,14 @@ __device__ __forceinline__ void tile_scores(uint32_t sq_addr, uint32_t tile_addr
     }
   }
   wgmma_commit();
+}
+
+// S = Q K^T of the tile in `stage` (64 x 64 over the 576 dims), waited for.
+template <typename T, int kStage>
+__device__ __forceinline__ void tile_scores(uint32_t sq_addr, uint32_t tile_addr, uint64_t* full,
+                                            uint32_t phase, float (&s)[32]) {
+  wgmma_fence();
+  issue_scores<T, kStage>(sq_addr, tile_addr, full, phase, s, 0, kGroups);
   wgmma_wait<0>();
   fence_operands(s);
 }
@@ -451,35 +458,47 @@ struct ConsumerSmem {
         st0(smem_u32(smem + SmemLayout::k)),
         st1(smem_u32(smem + SmemLayout::k + kTileBytes)) {}
 
-  // P of this warpgroup's tile (into the PE box of its stage), the row max m and the rescale c
-  // to the other warpgroup through exchange x; first this warpgroup's barrier `bar`, after which
-  // every warp's scores are done with the PE box.
-  __device__ __forceinline__ void publish(int x, int bar, const uint32_t (&pk)[8][2], const RowState& rs,
+  // Row statistics (and optionally P into stage `stage`'s PE box) to the other warpgroup through
+  // exchange x: first this warpgroup's barrier `bar`, after which every warp's scores are done
+  // with the PE box.
+  __device__ __forceinline__ void publish(int x, int bar, const uint32_t (*pk)[8][2], int stage,
+                                          float* m_out, float* c_out, const RowState& rs,
                                           const float (&m)[2], const float (&c)[2], int lane) {
-    named_sync(bar, 128);
-    store_p((x == kXM0 ? stage0 : stage1) + kPeBox * kBoxBytes, pk, rs, lane);
-    if ((lane & 3) == 0) {
+    if (pk != nullptr) {
+      named_sync(bar, 128);
+      store_p((stage == 0 ? stage0 : stage1) + kPeBox * kBoxBytes, *pk, rs, lane);
+      fence_proxy_async();
+    }
+    if (m_out != nullptr && (lane & 3) == 0) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        (x == kXM0 ? m0 : m1)[rs.row_local[j]] = m[j];
-        (x == kXM0 ? c0 : c1)[rs.row_local[j]] = c[j];
+        m_out[rs.row_local[j]] = m[j];
+        c_out[rs.row_local[j]] = c[j];
       }
     }
-    fence_proxy_async();
     mbar_arrive(&xbar[x]);
   }
 
-  // Waits for this warpgroup's MMAs into o, then releases groups g0 (and g1 >= 0) of `stage`:
-  // one arrival per warp.
-  __device__ __forceinline__ void finish_mma_release(float (&o)[128], int stage, int g0, int g1, int lane) {
-    wgmma_wait<0>();
-    fence_operands(o);
+  // Releases groups g0 (and g1 >= 0) of `stage`: one arrival per warp.
+  __device__ __forceinline__ void release(int stage, int g0, int g1, int lane) {
     if (lane == 0) {
       mbar_arrive(&empty[stage * kGroups + g0]);
       if (g1 >= 0) mbar_arrive(&empty[stage * kGroups + g1]);
     }
   }
 };
+
+// The pair of key tiles t (even, stage 0) and t + 1 (odd, stage 1). Each warpgroup enters with the
+// scores of its tile computed, and issues the scores of its next tile (t + 2, t + 3) before the
+// pair's last waits, so that the tensor cores always have the next S queued behind a P V:
+//   WG1: softmax S0 -> A (m0, c0) | O_L = c0 O_L + P0 V0_L | wait it: release stage 0 L
+//        | wait B (m1, c1, P1) -> C (P0 at m1) | O_L = c1 O_L + P1 V1_L | S0' on stage 0 L (released
+//        by WG1 itself) | wait P1 V1_L: release stage 1 L, PE | S0' on stage 0 R, PE | wait S0'.
+//   WG2: wait A | softmax S1 -> B | O_R = c0 c1 O_R + P1 V1_R | wait C: O_R += P0' V0_R
+//        | wait P1 V1_R: release stage 1 R | wait P0' V0_R: release stage 0 R, PE
+//        | S1' on stage 1 R, L, PE | wait S1'.
+// No deadlock: before a warpgroup waits for a group the other one releases, it has released
+// everything the other one waits for (each first waits on the groups it released itself).
 
 // WG1: O[:, 0:256] and the scores of even tiles.
 template <typename T>
@@ -488,7 +507,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
   const int wt = threadIdx.x - 128;
   const int lane = wt & 31;
   ConsumerSmem sm(smem);
-  uint32_t x_phase = 0;  // parity of kXM1 (completes once per pair with an odd tile)
+  uint32_t b_phase = 0;  // parity of kXB (completes once per pair with an odd tile)
   uint32_t phase[2] = {0, 0};
   uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
 
@@ -503,14 +522,16 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+    float s[32];
+    if (r.num_tiles > 0) tile_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0], s);
 
     for (int t = 0; t < r.num_tiles; t += 2) {
       const bool has_odd = t + 1 < r.num_tiles;
+      const bool has_next = t + 2 < r.num_tiles;
       const int key0 = r.kv_begin + t * kBlockN;
-      float s[32], tile_max[2];
-      tile_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0], s);
+      float tile_max[2];
       mask_scores(p, r, rs, key0, lane, s, tile_max);
-      float m0[2], c0[2], c1[2] = {1.0f, 1.0f}, sum[2];
+      float m0[2], c0[2], m1[2], c1[2] = {1.0f, 1.0f}, sum[2];
       uint32_t pk[8][2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -520,32 +541,39 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
       exp_scores<T>(s, m0, pk, sum);
 #pragma unroll
       for (int j = 0; j < 2; ++j) l[j] = l[j] * c0[j] + sum[j];
-
-      sm.publish(kXM0, kBarLeft, pk, rs, m0, c0, lane);  // P0, m0, c0 to WG2
+      sm.publish(kXA, kBarLeft, nullptr, 0, sm.m0, sm.c0, rs, m0, c0, lane);  // m0, c0 to WG2
 
       const int keys0 = r.kv_end - key0;
       if (keys0 < kBlockN) zero_tail_rows(sm.stage0 + group_first_box(kGroupL) * kBoxBytes, keys0, wt, kBarLeft);
       scale_o(o, c0);
       pv_rs<T>(pk, sm.st0 + group_first_box(kGroupL) * kBoxBytes, o);
 
-      // m1, c1 (and P1 in stage 1's PE box) from WG2. The next pair's kXM0 arrival waits for
-      // stage 0's next tile, which WG2 releases only after its wait on this pair's kXM0; WG2's
-      // next kXM1 arrival follows its wait on the next kXM0, which follows this wait.
+      wgmma_wait<0>();  // P0 V0_L
+      fence_operands(o);
+      fence_operands(pk);  // P0 V0_L read pk until here: its registers must not be reused before
+      sm.release(0, kGroupL, -1, lane);
+
+      // m1, c1 and P1 from WG2; then P0 at the pair's final max to WG2 (exp2(S0 - m1), rounded
+      // once). The next pair's kXA / kXC arrivals wait for stage 0's next tile, which WG2
+      // releases only after its waits on this pair's kXA and kXC; WG2's next kXB arrival
+      // follows its wait on the next kXA.
       if (has_odd) {
-        mbar_wait(&sm.xbar[kXM1], x_phase);
-        x_phase ^= 1;
+        mbar_wait(&sm.xbar[kXB], b_phase);
+        b_phase ^= 1;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           c1[j] = sm.c1[rs.row_local[j]];
-          m[j] = sm.m1[rs.row_local[j]];
+          m1[j] = sm.m1[rs.row_local[j]];
         }
+        float unused[2];
+        exp_scores<T>(s, m1, pk, unused);
       } else {
-        m[0] = m0[0];
-        m[1] = m0[1];
+        m1[0] = m0[0];
+        m1[1] = m0[1];
       }
-      sm.finish_mma_release(o, 0, kGroupL, -1, lane);
-      fence_operands(pk);  // P0 V0_L read pk until here: its registers must not be reused before
-      phase[0] ^= 1;
+      sm.publish(kXC, kBarLeft, &pk, 0, nullptr, nullptr, rs, m1, c1, lane);
+      m[0] = m1[0];
+      m[1] = m1[1];
 
       if (has_odd) {
 #pragma unroll
@@ -555,9 +583,26 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
         mbar_wait(&sm.full[1 * kGroups + kGroupL], phase[1]);
         scale_o(o, c1);
         pv_ss<T>(sm.st1 + kPeBox * kBoxBytes, sm.st1 + group_first_box(kGroupL) * kBoxBytes, o);
-        sm.finish_mma_release(o, 1, kGroupL, kGroupPe, lane);
-        phase[1] ^= 1;
       }
+      if (has_next) {
+        wgmma_fence();
+        issue_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0] ^ 1, s, 0, 1);  // group L
+        if (has_odd) {
+          wgmma_wait<1>();  // P1 V1_L
+          fence_operands(o);
+          sm.release(1, kGroupL, kGroupPe, lane);
+        }
+        issue_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0] ^ 1, s, 1, kGroups);
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(s);
+      } else if (has_odd) {
+        wgmma_wait<0>();
+        fence_operands(o);
+        sm.release(1, kGroupL, kGroupPe, lane);
+      }
+      phase[0] ^= 1;
+      if (has_odd) phase[1] ^= 1;
     }
     float inv_l[2];
     finish_rows(p, r, item, rs, smem, true, it, sums_phase, l, m, lane, inv_l);
@@ -572,7 +617,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
   const int wt = threadIdx.x - 256;
   const int lane = wt & 31;
   ConsumerSmem sm(smem);
-  uint32_t x_phase = 0;  // parity of kXM0 (completes once per pair)
+  uint32_t x_phase = 0;  // parity of kXA and kXC (each completes once per pair)
   uint32_t phase[2] = {0, 0};
   uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
 
@@ -587,59 +632,68 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+    float s[32];
+    if (r.num_tiles > 1) tile_scores<T, 1>(sm.sq_addr, sm.st1, sm.full, phase[1], s);
 
     for (int t = 0; t < r.num_tiles; t += 2) {
       const bool has_odd = t + 1 < r.num_tiles;
+      const bool has_next_odd = t + 3 < r.num_tiles;
       const int key0 = r.kv_begin + t * kBlockN;
-      float s[32], tile_max[2] = {-INFINITY, -INFINITY};
-      if (has_odd) {
-        tile_scores<T, 1>(sm.sq_addr, sm.st1, sm.full, phase[1], s);
-        mask_scores(p, r, rs, key0 + kBlockN, lane, s, tile_max);
-      }
+      float tile_max[2] = {-INFINITY, -INFINITY};
+      if (has_odd) mask_scores(p, r, rs, key0 + kBlockN, lane, s, tile_max);
 
-      // O_R = c0 O_R + P0 V0_R, running while this warpgroup's softmax of S1 is computed.
-      mbar_wait(&sm.xbar[kXM0], x_phase);
-      x_phase ^= 1;
+      mbar_wait(&sm.xbar[kXA], x_phase);  // m0, c0
       float m0[2], c0[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         m0[j] = sm.m0[rs.row_local[j]];
         c0[j] = sm.c0[rs.row_local[j]];
-        l[j] *= c0[j];
       }
-      const int keys0 = r.kv_end - key0;
-      if (keys0 < kBlockN) zero_tail_rows(sm.stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
-      mbar_wait(&sm.full[0 * kGroups + kGroupR], phase[0]);
-      scale_o(o, c0);
-      pv_ss<T>(sm.st0 + kPeBox * kBoxBytes, sm.st0 + group_first_box(kGroupR) * kBoxBytes, o);
-
+      uint32_t pk[8][2];
       if (has_odd) {
-        float c1[2], sum[2];
-        uint32_t pk[8][2];
+        float c1[2], sum[2], c01[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           m[j] = fmaxf(m0[j], tile_max[j]);
           c1[j] = rescale(m0[j], m[j]);
+          c01[j] = c0[j] * c1[j];
         }
         exp_scores<T>(s, m, pk, sum);
-        sm.publish(kXM1, kBarRight, pk, rs, m, c1, lane);  // P1, m1, c1 to WG1
-
-        sm.finish_mma_release(o, 0, kGroupR, kGroupPe, lane);
+        sm.publish(kXB, kBarRight, &pk, 1, sm.m1, sm.c1, rs, m, c1, lane);  // P1, m1, c1 to WG1
 #pragma unroll
-        for (int j = 0; j < 2; ++j) l[j] = l[j] * c1[j] + sum[j];
+        for (int j = 0; j < 2; ++j) l[j] = l[j] * c01[j] + sum[j];
         const int keys1 = r.kv_end - (key0 + kBlockN);
         if (keys1 < kBlockN) zero_tail_rows(sm.stage1 + group_first_box(kGroupR) * kBoxBytes, keys1, wt, kBarRight);
-        scale_o(o, c1);
+        scale_o(o, c01);
         pv_rs<T>(pk, sm.st1 + group_first_box(kGroupR) * kBoxBytes, o);
-        sm.finish_mma_release(o, 1, kGroupR, -1, lane);
-        fence_operands(pk);  // P1 V1_R read pk until here
-        phase[1] ^= 1;
       } else {
-        m[0] = m0[0];
-        m[1] = m0[1];
-        sm.finish_mma_release(o, 0, kGroupR, kGroupPe, lane);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          m[j] = m0[j];
+          l[j] *= c0[j];
+        }
+        scale_o(o, c0);
       }
+
+      // O_R += P0' V0_R with P0' = P0 at the pair's final max, from WG1.
+      mbar_wait(&sm.xbar[kXC], x_phase);
+      x_phase ^= 1;
+      const int keys0 = r.kv_end - key0;
+      if (keys0 < kBlockN) zero_tail_rows(sm.stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
+      mbar_wait(&sm.full[0 * kGroups + kGroupR], phase[0]);
+      pv_ss<T>(sm.st0 + kPeBox * kBoxBytes, sm.st0 + group_first_box(kGroupR) * kBoxBytes, o);
+      if (has_odd) {
+        wgmma_wait<1>();  // P1 V1_R
+        fence_operands(o);
+        fence_operands(pk);  // P1 V1_R read pk until here
+        sm.release(1, kGroupR, -1, lane);
+      }
+      wgmma_wait<0>();  // P0' V0_R
+      fence_operands(o);
+      sm.release(0, kGroupR, kGroupPe, lane);
+      if (has_next_odd) tile_scores<T, 1>(sm.sq_addr, sm.st1, sm.full, phase[1] ^ 1, s);
       phase[0] ^= 1;
+      if (has_odd) phase[1] ^= 1;
     }
     float inv_l[2];
     finish_rows(p, r, item, rs, smem, false, it, sums_phase, l, m, lane, inv_l);
