@@ -544,7 +544,10 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
       sm.publish(kXA, kBarLeft, nullptr, 0, sm.m0, sm.c0, rs, m0, c0, lane);  // m0, c0 to WG2
 
       const int keys0 = r.kv_end - key0;
-      if (keys0 < kBlockN) zero_tail_rows(sm.stage0 + group_first_box(kGroupL) * kBoxBytes, keys0, wt, kBarLeft);
+      if (keys0 < kBlockN) {
+        named_sync(kBarLeft, 128);  // every warp's part of S0 is done reading the rows zeroed here
+        zero_tail_rows(sm.stage0 + group_first_box(kGroupL) * kBoxBytes, keys0, wt, kBarLeft);
+      }
       scale_o(o, c0);
       pv_rs<T>(pk, sm.st0 + group_first_box(kGroupL) * kBoxBytes, o);
 
@@ -596,10 +599,12 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
         wgmma_wait<0>();
         fence_operands(o);
         fence_operands(s);
-      } else if (has_odd) {
+      } else {
+        // Unconditional wait: ptxas must see every committed group waited for on every path, or
+        // it waits at the loop's back edge itself and serialises every wgmma of the kernel.
         wgmma_wait<0>();
         fence_operands(o);
-        sm.release(1, kGroupL, kGroupPe, lane);
+        if (has_odd) sm.release(1, kGroupL, kGroupPe, lane);
       }
       phase[0] ^= 1;
       if (has_odd) phase[1] ^= 1;
