@@ -810,6 +810,10 @@ TEST(GpuDecodeHopper, DtypesLayoutsAndOddParts) {
       c.num_parts = 7;
       c.seed = uint64_t(24000 + int(t) * 10 + int(o));
       check_case(c, /*both_modes=*/true);
+      // An odd output pad: element pairs are not 4-byte aligned (element-wise stores).
+      c.out_pad = 1;
+      c.seed += 5;
+      check_case(c, /*both_modes=*/true);
     }
   }
 }

@@ -162,57 +162,91 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
 }
 
 // Q rows [row0, row0 + valid_rows) of the item -> swizzled Q boxes; rows past valid_rows are
-// zero. Run by the 256 consumer threads (ct = 0..255): 18 asynchronous 16-byte copies each, all
-// in flight at once, waited for before returning.
+// zero. Run by the 256 consumer threads (ct = 0..255): thread ct owns row ct / 4 and its 16-byte
+// chunks ct % 4 + 4 j (j = 0..17), so the row's source addresses are computed once; all 18
+// asynchronous copies are in flight at once and waited for before returning. Code size matters
+// here: this runs once per item, from a cold instruction cache.
 template <typename T>
 __device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int ct) {
-  const int num_heads = p.layout.num_heads;
+  constexpr int kChunks = kHeadDim / 8;  // 72 chunks of 8 values: 64 of q_nope, 8 of q_pe
+  const int row = ct >> 2, c0 = ct & 3;
+  const bool valid = row < r.valid_rows;
+  const int rr = r.row0 + (valid ? row : 0);  // rows past valid_rows: zero-filled, not read
+  const int64_t token = r.g.q_start + rr / p.layout.num_heads;
+  const int head = rr % p.layout.num_heads;
+  const T* nope = static_cast<const T*>(p.q_nope) + token * p.q_nope_stride_t + head * p.q_nope_stride_h;
+  const T* pe = static_cast<const T*>(p.q_pe) + token * p.q_pe_stride_t + head * p.q_pe_stride_h;
+  uint8_t* dst = sq + uint32_t(row) * 128u;
 #pragma unroll
-  for (int i = 0; i < 64 * (kHeadDim / 8) / 256; ++i) {
-    const int idx = ct + i * 256;
-    const int row = idx / (kHeadDim / 8);
-    const int c = idx - row * (kHeadDim / 8);  // 16-byte chunk along the 576 dims
-    const bool valid = row < r.valid_rows;
-    const int rr = r.row0 + (valid ? row : 0);  // rows past valid_rows: zero-filled, not read
-    const int64_t token = r.g.q_start + rr / num_heads;
-    const int head = rr % num_heads;
-    const T* src = c < kValueDim / 8
-                       ? static_cast<const T*>(p.q_nope) + token * p.q_nope_stride_t +
-                             head * p.q_nope_stride_h + c * 8
-                       : static_cast<const T*>(p.q_pe) + token * p.q_pe_stride_t +
-                             head * p.q_pe_stride_h + (c - kValueDim / 8) * 8;
-    cp_async_16(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8), src, valid);
+  for (int j = 0; j < kChunks / 4; ++j) {
+    const int c = c0 + 4 * j;  // chunks 0..63: q_nope; 64..71: q_pe (j >= 16)
+    const T* src = j < kValueDim / 32 ? nope + c * 8 : pe + (c - kValueDim / 8) * 8;
+    cp_async_16(dst + (c >> 3) * kBoxBytes + ((uint32_t(c & 7) ^ uint32_t(row & 7)) << 4), src, valid);
   }
   cp_async_commit();
   cp_async_wait<0>();
 }
 
 // Writes this thread's 2 rows x 128 columns of O (columns col0 + 8n + 2(lane%4) + {0,1}),
-// scaled by inv_l, to the output or to the item's partial slot.
+// scaled by inv_l, to the output or to the item's partial slot. One row per pass of a loop that
+// is not unrolled (row 1's values move into row 0's registers for the second pass, so o is
+// clobbered), and one store loop per output kind: the stores are emitted 4 times, not 12 (3
+// dtypes x paired or not x 2 rows), which keeps this once-per-item code small.
 __device__ __forceinline__ void store_o(const DecodeParams& p, const ItemRange& r, const WorkItem& item,
-                                        const float (&o)[128], const int (&row_local)[2],
+                                        float (&o)[128], const int (&row_local)[2],
                                         const float (&inv_l)[2], int col0, int lane) {
   const int num_heads = p.layout.num_heads;
-#pragma unroll
+  const int col = col0 + 2 * (lane & 3);
+  // 0: fp32 pairs (the partial slot, or an fp32 output), 1: bf16 pairs, 2: fp16 pairs,
+  // 3: element by element in the output dtype (an output whose pairs are not 4-byte aligned).
+  const int kind = item.slot >= 0 ? 0 : !p.out_pair_ok ? 3 : p.out_dtype == kOutBF16 ? 1
+                                   : p.out_dtype == kOutFP16 ? 2 : 0;
+#pragma unroll 1
   for (int j = 0; j < 2; ++j) {
-    if (row_local[j] >= r.valid_rows) continue;
-    if (item.slot < 0) {
-      const int rr = r.row0 + row_local[j];
-      void* base = out_row(p, r.g.q_start + rr / num_heads, rr % num_heads);
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        const int col = col0 + n * 8 + 2 * (lane & 3);
-        store_out_pair(p, base, col, o[4 * n + 2 * j] * inv_l[j], o[4 * n + 2 * j + 1] * inv_l[j]);
+    const int rl = j == 0 ? row_local[0] : row_local[1];
+    const float inv = j == 0 ? inv_l[0] : inv_l[1];
+    if (rl < r.valid_rows) {
+      void* base;
+      if (item.slot >= 0) {
+        base = p.schedule.partial_out + (int64_t(item.slot) * kMaxBlockM + rl) * kValueDim;
+      } else {
+        const int rr = r.row0 + rl;
+        base = out_row(p, r.g.q_start + rr / num_heads, rr % num_heads);
       }
-    } else {
-      float* base = p.schedule.partial_out +
-                    (int64_t(item.slot) * kMaxBlockM + row_local[j]) * kValueDim;
+      if (kind == 0) {
+        float* dst = static_cast<float*>(base) + col;
 #pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        const int col = col0 + n * 8 + 2 * (lane & 3);
-        *reinterpret_cast<float2*>(base + col) =
-            make_float2(o[4 * n + 2 * j] * inv_l[j], o[4 * n + 2 * j + 1] * inv_l[j]);
+        for (int n = 0; n < 32; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[4 * n] * inv, o[4 * n + 1] * inv);
+      } else if (kind == 1) {
+        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(base) + col;
+#pragma unroll
+        for (int n = 0; n < 32; ++n)
+          *reinterpret_cast<__nv_bfloat162*>(dst + n * 8) = __floats2bfloat162_rn(o[4 * n] * inv, o[4 * n + 1] * inv);
+      } else if (kind == 2) {
+        __half* dst = static_cast<__half*>(base) + col;
+#pragma unroll
+        for (int n = 0; n < 32; ++n)
+          *reinterpret_cast<__half2*>(dst + n * 8) = __floats2half2_rn(o[4 * n] * inv, o[4 * n + 1] * inv);
+      } else {
+#pragma unroll 1
+        for (int n = 0; n < 32; ++n) {
+          // Register arrays cannot be indexed by a loop counter: rotate the row's values instead.
+          store_out_pair(p, base, col + n * 8, o[0] * inv, o[1] * inv);
+#pragma unroll
+          for (int i = 0; i < 31; ++i) {
+            o[4 * i] = o[4 * i + 4];
+            o[4 * i + 1] = o[4 * i + 5];
+          }
+        }
       }
+    }
+    // Row 1's values into row 0's registers (after a rotation above they are still in place:
+    // only the row-0 columns moved).
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      o[4 * n] = o[4 * n + 2];
+      o[4 * n + 1] = o[4 * n + 3];
     }
   }
 }
