@@ -44,7 +44,28 @@
 namespace mla::cuda::decode {
 namespace {
 
-constexpr int kPlanThreads = 1024;
+constexpr int kPlanThreads = 512;
+
+// Shuffles of the scanned values: scalars, and the per-thread counts of pass 2.
+template <typename V>
+__device__ __forceinline__ V shfl_up(V v, int off) {
+  return __shfl_up_sync(0xffffffffu, v, off);
+}
+
+// Pass 2's counts of one thread's units, scanned together (one block scan instead of four):
+// sums of items, split units and slots, and the largest part of an item (-1: none).
+struct Counts {
+  int items, splits, slots, last_part;
+};
+__device__ __forceinline__ Counts shfl_up(Counts v, int off) {
+  return {__shfl_up_sync(0xffffffffu, v.items, off), __shfl_up_sync(0xffffffffu, v.splits, off),
+          __shfl_up_sync(0xffffffffu, v.slots, off), __shfl_up_sync(0xffffffffu, v.last_part, off)};
+}
+struct CountsOp {
+  __device__ Counts operator()(const Counts& a, const Counts& b) const {
+    return {a.items + b.items, a.splits + b.splits, a.slots + b.slots, max(a.last_part, b.last_part)};
+  }
+};
 
 // Exclusive scan of one value per thread across the CTA under an associative, commutative `op`
 // with `identity`; `total` gets the reduction of all values.
@@ -54,10 +75,10 @@ __device__ V block_exclusive_scan(V value, V identity, Op op, V* warp_sums /* [3
   V inclusive = value;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
-    const V up = __shfl_up_sync(0xffffffffu, inclusive, off);
+    const V up = shfl_up(inclusive, off);
     if (lane >= off) inclusive = op(up, inclusive);
   }
-  V exclusive = __shfl_up_sync(0xffffffffu, inclusive, 1);
+  V exclusive = shfl_up(inclusive, 1);
   if (lane == 0) exclusive = identity;
   if (lane == 31) warp_sums[warp] = inclusive;
   __syncthreads();
@@ -65,14 +86,14 @@ __device__ V block_exclusive_scan(V value, V identity, Op op, V* warp_sums /* [3
     const V w = lane < kPlanThreads / 32 ? warp_sums[lane] : identity;
     V w_inclusive = w;
 #pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const V up = __shfl_up_sync(0xffffffffu, w_inclusive, off);
+    for (int off = 1; off < kPlanThreads / 32; off <<= 1) {
+      const V up = shfl_up(w_inclusive, off);
       if (lane >= off) w_inclusive = op(up, w_inclusive);
     }
-    V w_exclusive = __shfl_up_sync(0xffffffffu, w_inclusive, 1);
+    V w_exclusive = shfl_up(w_inclusive, 1);
     if (lane == 0) w_exclusive = identity;
     warp_sums[lane] = w_exclusive;
-    if (lane == 31) warp_sums[32] = w_inclusive;
+    if (lane == kPlanThreads / 32 - 1) warp_sums[32] = w_inclusive;
   }
   __syncthreads();
   const V result = op(warp_sums[warp], exclusive);
@@ -85,13 +106,12 @@ struct Plus {
   template <typename V>
   __device__ V operator()(V a, V b) const { return a + b; }
 };
-struct Max {
-  __device__ int operator()(int a, int b) const { return max(a, b); }
-};
 
-template <typename V>
-__device__ V block_exclusive_sum(V value, V* warp_sums, V& total) {
-  return block_exclusive_scan(value, V(0), Plus{}, warp_sums, total);
+// a / b for cost-line positions (a >= 0, b >= 1): a 32-bit division when both fit, as they do
+// for any batch that fits in memory today; 64-bit division is a long subroutine on the GPU.
+__device__ __forceinline__ long long div_pos(long long a, long long b) {
+  if (((a | b) >> 32) == 0) return (long long)(uint32_t(a) / uint32_t(b));
+  return a / b;
 }
 
 // The parts a unit spans on the cost line, after snapping cuts near its edges.
@@ -101,7 +121,7 @@ struct UnitSpan {
 __device__ __forceinline__ UnitSpan unit_span(long long start, long long end, long long payload,
                                               long long snap, int parts) {
   auto part_of = [&](long long position) {
-    const long long q = position / payload;
+    const long long q = div_pos(position, payload);
     return q < parts - 1 ? int(q) : parts - 1;
   };
   int first = part_of(start);
@@ -156,7 +176,7 @@ constexpr int kLongUnitQueue = 64;
 
 __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_constant__ PlanParams pp) {
   __shared__ long long scan64[33];
-  __shared__ int scan32[33];
+  __shared__ Counts scan_counts[33];
   __shared__ int max_unit_cost;
   __shared__ SplitPieces long_units[kLongUnitQueue];
   __shared__ int num_long_units;
@@ -199,21 +219,21 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   __syncthreads();
   atomicMax(&max_unit_cost, my_max);
   long long total_cost = 0;
-  const long long cost_base = block_exclusive_sum(my_cost, scan64, total_cost);  // syncs
-  const long long even = (total_cost + parts - 1) / parts;
+  const long long cost_base = block_exclusive_scan(my_cost, 0LL, Plus{}, scan64, total_cost);
+  const long long even = div_pos(total_cost + parts - 1, parts);
   long long payload = even < kMinBlocksPerPart ? kMinBlocksPerPart : even;
   // Whole units: k = the fewest largest units that cover the even share. When k of them cost at
   // most a quarter of a unit more than the share (one unit: at most 5/4 of the share), the
   // payload grows to k units, so that equal units are never cut: the makespan is the same as
   // with the share (some CTA runs k units either way) and no piece pays for its partial result.
-  const long long k_units = (even + max_unit_cost - 1) / (max_unit_cost > 0 ? max_unit_cost : 1);
+  const long long k_units = div_pos(even + max_unit_cost - 1, max_unit_cost > 0 ? max_unit_cost : 1);
   const long long whole = k_units * max_unit_cost;
   const bool whole_fits = k_units <= 1 ? 4LL * max_unit_cost <= 5LL * even
                                        : 4LL * (whole - even) <= max_unit_cost;
   if (whole_fits && whole > payload) payload = whole;
   const long long snap = payload / 8 > kOverheadBlocks ? payload / 8 : kOverheadBlocks;
   auto part_of = [&](long long position) {
-    const long long q = position / payload;
+    const long long q = div_pos(position, payload);
     return q < parts - 1 ? int(q) : parts - 1;
   };
 
@@ -247,14 +267,15 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
     }
   }
   if (my_max_pieces > 1) atomicMax(&max_pieces, my_max_pieces);  // read after the scans' syncs
-  int num_items = 0, num_splits = 0, num_slots = 0;
-  const int item_base = block_exclusive_sum(my_items, scan32, num_items);
-  const int split_base = block_exclusive_sum(my_splits, scan32, num_splits);
-  const int slot_base = block_exclusive_sum(my_slots, scan32, num_slots);
+  Counts all{};
+  const Counts before = block_exclusive_scan(Counts{my_items, my_splits, my_slots, my_last_part},
+                                             Counts{0, 0, 0, -1}, CountsOp{}, scan_counts, all);
+  const int num_items = all.items, num_splits = all.splits, num_slots = all.slots;
+  const int last_part = all.last_part;
+  const int item_base = before.items, split_base = before.splits, slot_base = before.slots;
   // Item parts never decrease along the list, so the part of the last item before this thread's
   // first is the largest last part of the threads before it (-1: none).
-  int last_part = -1;
-  int prev_part = block_exclusive_scan(my_last_part, -1, Max{}, scan32, last_part);
+  int prev_part = before.last_part;
   const int stored_items = min(num_items, pp.max_items);
   // CTA p runs items [part_begin[p], part_begin[p + 1]): the first item of part >= p. The thread
   // that writes an item whose part q is past the previous item's part sets part_begin for the
