@@ -10,14 +10,16 @@
 // job is kWarps / W rows, W warps per row, where W (1, 2, 4 or 8) follows the plan's largest
 // piece count: warp j of a row sums pieces j, j + W, ... (4 pieces per step, so 16 independent
 // 16-byte loads per lane are in flight), each lane owning 16 of the 512 columns, and the W
-// partial sums meet in shared memory. The row's LSE takes one pass over the pieces' LSEs
-// (running max and sum together). A request split over ~130 CTAs costs ~6 memory round trips;
+// partial sums meet in shared memory, where warp j sums and stores column groups j, j + W, ...
+// The row's LSE takes one pass over the pieces' LSEs (running max and sum together). A request split over ~130 CTAs costs ~6 memory round trips;
 // a large batch of units in two or three pieces gives each row one warp and two round trips.
 //
 // Version history: v1 one warp per row, one piece per step (latency-bound: ~45 us for one 32k
 // request with 16 heads on an H200); v2 four warps per row, four pieces per step, two passes for
 // the LSE, one CTA per (split unit, row pair) in a fixed grid of mostly idle CTAs; v3 W warps
-// per row from the plan's largest piece count, one LSE pass, grid-stride over the rows.
+// per row from the plan's largest piece count, one LSE pass, grid-stride over the rows; v4 the
+// LSEs of up to 128 pieces in one round trip, and the row's warps share the final sum and the
+// stores (code 32 -> 16 KB: this kernel runs once per decode call, from a cold instruction cache).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -177,7 +179,16 @@ __global__ void __launch_bounds__(kThreadsPerCta)
       const int n = unit.num_pieces;
       const float* lse_k = p.schedule.partial_lse + int64_t(unit.slot_begin) * kMaxBlockM + row_local;
       float lse_max = -INFINITY, lse_sum = 0.0f;
-      for (int k = lane; k < n; k += 32) merge_lse(lse_max, lse_sum, lse_k[int64_t(k) * kMaxBlockM], 1.0f);
+      for (int k0 = 0; k0 < n; k0 += 4 * 32) {  // up to 128 pieces a round trip
+        float v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int k = k0 + lane + 32 * u;
+          v[u] = k < n ? lse_k[int64_t(k) * kMaxBlockM] : -INFINITY;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) merge_lse(lse_max, lse_sum, v[u], 1.0f);
+      }
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) {
         const float other_max = __shfl_xor_sync(0xffffffffu, lse_max, off);
@@ -191,33 +202,33 @@ __global__ void __launch_bounds__(kThreadsPerCta)
         sum_pieces(base, lse_k, n, j, w, lane, lse, acc);
       }
     }
-    if (w > 1) {
+    // The row's w warps meet in shared memory; warp j then sums and stores column groups j,
+    // j + w, ... (a loop that is not unrolled: the stores are emitted once).
 #pragma unroll
-      for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
-      __syncthreads();
-      if (j == 0) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          for (int other = 1; other < w; ++other) {
-            const float4 v = partial[warp + other][lane][i];
-            acc[i].x += v.x;
-            acc[i].y += v.y;
-            acc[i].z += v.z;
-            acc[i].w += v.w;
-          }
-        }
-      }
-      __syncthreads();  // partial[] is free for the next job
-    }
-    if (valid && j == 0) {
+    for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
+    __syncthreads();
+    if (valid) {
       const int64_t token = g.q_start + r / num_heads;
       const int head = r % num_heads;
       const int64_t elem = p.out_dtype == kOutFP32 ? 4 : 2;
       void* row_base = static_cast<char*>(p.out) + (token * p.out_stride_t + head * p.out_stride_h) * elem;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) store_out4(p, row_base, 4 * (lane + 32 * i), acc[i]);
-      if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
+      const int first = warp - j;
+#pragma unroll 1
+      for (int i = j; i < 4; i += w) {
+        float4 sum = partial[first][lane][i];
+#pragma unroll 1
+        for (int other = 1; other < w; ++other) {
+          const float4 v = partial[first + other][lane][i];
+          sum.x += v.x;
+          sum.y += v.y;
+          sum.z += v.z;
+          sum.w += v.w;
+        }
+        store_out4(p, row_base, 4 * (lane + 32 * i), sum);
+      }
+      if (p.lse != nullptr && j == 0 && lane == 0) p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
     }
+    __syncthreads();  // partial[] is free for the next job
   }
 }
 

@@ -109,9 +109,10 @@ struct Plus {
 
 // a / b for cost-line positions (a >= 0, b >= 1): a 32-bit division when both fit, as they do
 // for any batch that fits in memory today; 64-bit division is a long subroutine on the GPU.
+__device__ __noinline__ long long div_pos_wide(long long a, long long b) { return a / b; }
 __device__ __forceinline__ long long div_pos(long long a, long long b) {
   if (((a | b) >> 32) == 0) return (long long)(uint32_t(a) / uint32_t(b));
-  return a / b;
+  return div_pos_wide(a, b);  // out of line: this kernel runs once, from a cold instruction cache
 }
 
 // The parts a unit spans on the cost line, after snapping cuts near its edges.
@@ -207,6 +208,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   }
   long long my_cost = 0;
   int my_max = 0;
+#pragma unroll 1
   for (int b = b_begin; b < b_end; ++b) {
     const RequestGeometry g = request_geometry(pp.layout, b);
     const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
@@ -243,6 +245,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   int my_max_pieces = 1;
   {
     long long pos = cost_base;
+#pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
       const RequestGeometry g = request_geometry(pp.layout, b);
       const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
@@ -281,6 +284,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   // that writes an item whose part q is past the previous item's part sets part_begin for the
   // parts in between; the parts after the last item's begin at the end of the list.
   auto begin_parts = [&](int item_index, int part) {
+#pragma unroll 1
     for (int x = prev_part + 1; x <= part; ++x) pp.part_begin[x] = min(item_index, stored_items);
     prev_part = max(prev_part, part);
   };
@@ -289,6 +293,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   {
     long long pos = cost_base;
     int item = item_base, split = split_base, slot = slot_base;
+#pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
       const RequestGeometry g = request_geometry(pp.layout, b);
       const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
@@ -315,6 +320,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
             begin_parts(item, span.part_first);
             prev_part = span.part_last;
           } else {
+#pragma unroll 1
             for (int q = span.part_first; q <= span.part_last; ++q) {
               write_piece(pp, u, q, payload);
               begin_parts(item + (q - span.part_first), q);
@@ -331,11 +337,13 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
       }
     }
   }
+#pragma unroll 1
   for (int x = last_part + 1 + tid; x <= parts; x += kPlanThreads) pp.part_begin[x] = stored_items;
   __syncthreads();  // the queue of long units is complete
   const int queued_units = min(num_long_units, kLongUnitQueue);
   for (int i = 0; i < queued_units; ++i) {
     const SplitPieces& u = long_units[i];
+#pragma unroll 1
     for (int q = u.part_first + tid; q <= u.part_last; q += kPlanThreads) {
       write_piece(pp, u, q, payload);
       if (q > u.part_first) pp.part_begin[q] = min(u.item + (q - u.part_first), stored_items);
