@@ -72,6 +72,53 @@ __device__ __forceinline__ void store_out_pair(const DecodeParams& p, void* row_
   }
 }
 
+// How a decode kernel stores a row of its output: 0 fp32 pairs (a partial slot, or an fp32
+// output), 1 bf16 pairs, 2 fp16 pairs, 3 element by element in the output dtype (an output whose
+// element pairs are not 4-byte aligned).
+__device__ __forceinline__ int out_kind(const DecodeParams& p, bool partial) {
+  if (partial) return 0;
+  if (!p.out_pair_ok) return 3;
+  return p.out_dtype == kOutBF16 ? 1 : p.out_dtype == kOutFP16 ? 2 : 0;
+}
+
+// Stores kPairs pairs of one row, pair n = get(n) * scale at columns col + 8 n, n + 1, as `kind`
+// (out_kind). Each kind's stores are emitted once, and kind 3 walks the pairs in a loop that is
+// not unrolled (`get` may then be asked for pair 0 only, after `rotate` moved pair n + 1 into
+// pair n): this code runs once per item from a cold instruction cache, so its size matters.
+template <int kPairs, typename Get, typename Rotate>
+__device__ __forceinline__ void store_row_pairs(const DecodeParams& p, int kind, void* base, int col,
+                                                float scale, Get get, Rotate rotate) {
+  if (kind == 0) {
+    float* dst = static_cast<float*>(base) + col;
+#pragma unroll
+    for (int n = 0; n < kPairs; ++n) {
+      const float2 v = get(n);
+      *reinterpret_cast<float2*>(dst + n * 8) = make_float2(v.x * scale, v.y * scale);
+    }
+  } else if (kind == 1) {
+    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(base) + col;
+#pragma unroll
+    for (int n = 0; n < kPairs; ++n) {
+      const float2 v = get(n);
+      *reinterpret_cast<__nv_bfloat162*>(dst + n * 8) = __floats2bfloat162_rn(v.x * scale, v.y * scale);
+    }
+  } else if (kind == 2) {
+    __half* dst = static_cast<__half*>(base) + col;
+#pragma unroll
+    for (int n = 0; n < kPairs; ++n) {
+      const float2 v = get(n);
+      *reinterpret_cast<__half2*>(dst + n * 8) = __floats2half2_rn(v.x * scale, v.y * scale);
+    }
+  } else {
+#pragma unroll 1
+    for (int n = 0; n < kPairs; ++n) {
+      const float2 v = get(0);
+      store_out_pair(p, base, col + n * 8, v.x * scale, v.y * scale);
+      rotate();
+    }
+  }
+}
+
 // Asks L2 for the cache rows of keys [key, key + count) of `request`, which must lie in one page
 // (its rows are contiguous); keys at or past kv_end and pages outside the pool are skipped. The
 // loads of those keys a tile or two later then wait for L2 rather than for memory, and each SM

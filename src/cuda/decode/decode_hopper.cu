@@ -190,17 +190,13 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r
 // Writes this thread's 2 rows x 128 columns of O (columns col0 + 8n + 2(lane%4) + {0,1}),
 // scaled by inv_l, to the output or to the item's partial slot. One row per pass of a loop that
 // is not unrolled (row 1's values move into row 0's registers for the second pass, so o is
-// clobbered), and one store loop per output kind: the stores are emitted 4 times, not 12 (3
-// dtypes x paired or not x 2 rows), which keeps this once-per-item code small.
+// clobbered), each output kind's stores once (store_row_pairs).
 __device__ __forceinline__ void store_o(const DecodeParams& p, const ItemRange& r, const WorkItem& item,
                                         float (&o)[128], const int (&row_local)[2],
                                         const float (&inv_l)[2], int col0, int lane) {
   const int num_heads = p.layout.num_heads;
   const int col = col0 + 2 * (lane & 3);
-  // 0: fp32 pairs (the partial slot, or an fp32 output), 1: bf16 pairs, 2: fp16 pairs,
-  // 3: element by element in the output dtype (an output whose pairs are not 4-byte aligned).
-  const int kind = item.slot >= 0 ? 0 : !p.out_pair_ok ? 3 : p.out_dtype == kOutBF16 ? 1
-                                   : p.out_dtype == kOutFP16 ? 2 : 0;
+  const int kind = out_kind(p, item.slot >= 0);
 #pragma unroll 1
   for (int j = 0; j < 2; ++j) {
     const int rl = j == 0 ? row_local[0] : row_local[1];
@@ -213,36 +209,17 @@ __device__ __forceinline__ void store_o(const DecodeParams& p, const ItemRange& 
         const int rr = r.row0 + rl;
         base = out_row(p, r.g.q_start + rr / num_heads, rr % num_heads);
       }
-      if (kind == 0) {
-        float* dst = static_cast<float*>(base) + col;
+      store_row_pairs<32>(
+          p, kind, base, col, inv, [&](int n) { return make_float2(o[4 * n], o[4 * n + 1]); },
+          [&] {
 #pragma unroll
-        for (int n = 0; n < 32; ++n)
-          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[4 * n] * inv, o[4 * n + 1] * inv);
-      } else if (kind == 1) {
-        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(base) + col;
-#pragma unroll
-        for (int n = 0; n < 32; ++n)
-          *reinterpret_cast<__nv_bfloat162*>(dst + n * 8) = __floats2bfloat162_rn(o[4 * n] * inv, o[4 * n + 1] * inv);
-      } else if (kind == 2) {
-        __half* dst = static_cast<__half*>(base) + col;
-#pragma unroll
-        for (int n = 0; n < 32; ++n)
-          *reinterpret_cast<__half2*>(dst + n * 8) = __floats2half2_rn(o[4 * n] * inv, o[4 * n + 1] * inv);
-      } else {
-#pragma unroll 1
-        for (int n = 0; n < 32; ++n) {
-          // Register arrays cannot be indexed by a loop counter: rotate the row's values instead.
-          store_out_pair(p, base, col + n * 8, o[0] * inv, o[1] * inv);
-#pragma unroll
-          for (int i = 0; i < 31; ++i) {
-            o[4 * i] = o[4 * i + 4];
-            o[4 * i + 1] = o[4 * i + 5];
-          }
-        }
-      }
+            for (int i = 0; i < 31; ++i) {
+              o[4 * i] = o[4 * i + 4];
+              o[4 * i + 1] = o[4 * i + 5];
+            }
+          });
     }
-    // Row 1's values into row 0's registers (after a rotation above they are still in place:
-    // only the row-0 columns moved).
+    // Row 1's values into row 0's registers (a rotation above moved only row 0's columns).
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
       o[4 * n] = o[4 * n + 2];
