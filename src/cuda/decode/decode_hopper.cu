@@ -176,12 +176,11 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r
   const int head = rr % p.layout.num_heads;
   const T* nope = static_cast<const T*>(p.q_nope) + token * p.q_nope_stride_t + head * p.q_nope_stride_h;
   const T* pe = static_cast<const T*>(p.q_pe) + token * p.q_pe_stride_t + head * p.q_pe_stride_h;
-  uint8_t* dst = sq + uint32_t(row) * 128u;
 #pragma unroll
   for (int j = 0; j < kChunks / 4; ++j) {
     const int c = c0 + 4 * j;  // chunks 0..63: q_nope; 64..71: q_pe (j >= 16)
     const T* src = j < kValueDim / 32 ? nope + c * 8 : pe + (c - kValueDim / 8) * 8;
-    cp_async_16(dst + (c >> 3) * kBoxBytes + ((uint32_t(c & 7) ^ uint32_t(row & 7)) << 4), src, valid);
+    cp_async_16(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8), src, valid);
   }
   cp_async_commit();
   cp_async_wait<0>();
