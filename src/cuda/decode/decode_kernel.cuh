@@ -155,21 +155,23 @@ struct DecodeCta {
   __device__ void load_q(int q_start, int row0, int valid_rows) {
     const int num_heads = p.layout.num_heads;
     if (p.q_vector_ok && !p.q_is_fp8) {
-      for (int idx = tid; idx < kBlockM * Traits::kChunks; idx += kThreads) {
-        const int row = idx / Traits::kChunks;
-        const int c = idx - row * Traits::kChunks;
-        const bool valid = row < valid_rows;
-        const T* src = static_cast<const T*>(p.q_nope);
-        if (valid) {
-          const int r = row0 + row;
-          const int64_t token = q_start + r / num_heads;
-          const int head = r % num_heads;
-          src = c < kValueDim / 8
-                    ? static_cast<const T*>(p.q_nope) + token * p.q_nope_stride_t +
-                          head * p.q_nope_stride_h + c * 8
-                    : static_cast<const T*>(p.q_pe) + token * p.q_pe_stride_t +
-                          head * p.q_pe_stride_h + (c - kValueDim / 8) * 8;
-        }
+      // Thread tid owns row tid / kThreadsPerRow and its chunks tid % kThreadsPerRow + k j, so
+      // the row's source addresses are computed once (this runs once per item, from a cold
+      // instruction cache: code size matters).
+      constexpr int kThreadsPerRow = kThreads / kBlockM;  // 4, 8, 16
+      constexpr int kPerThread = (Traits::kChunks + kThreadsPerRow - 1) / kThreadsPerRow;
+      const int row = tid / kThreadsPerRow, c0 = tid % kThreadsPerRow;
+      const bool valid = row < valid_rows;
+      const int r = row0 + (valid ? row : 0);  // rows past valid_rows: zero-filled, not read
+      const int64_t token = q_start + r / num_heads;
+      const int head = r % num_heads;
+      const T* nope = static_cast<const T*>(p.q_nope) + token * p.q_nope_stride_t + head * p.q_nope_stride_h;
+      const T* pe = static_cast<const T*>(p.q_pe) + token * p.q_pe_stride_t + head * p.q_pe_stride_h;
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        const int c = c0 + kThreadsPerRow * j;
+        if (Traits::kChunks % kThreadsPerRow != 0 && c >= Traits::kChunks) break;
+        const T* src = c < kValueDim / 8 ? nope + c * 8 : pe + (c - kValueDim / 8) * 8;
         cp_async_16(s.q + qk_offset(row, c), src, valid);
       }
     } else if (p.q_vector_ok) {  // fp8 rows: 16 values per load, converted to T
@@ -457,37 +459,47 @@ struct DecodeCta {
       lse[j] = any ? (row_m[j] + log2f(total)) * 0.69314718055994531f : -INFINITY;
     }
 
-    if (item.slot < 0) {
-      // The whole unit: final output and LSE.
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        if (row_local[j] >= valid_rows) continue;
-        const int r = row0 + row_local[j];
-        const int64_t token = g.q_start + r / num_heads;
-        const int head = r % num_heads;
-        void* base = out_row(p, token, head);
-#pragma unroll
-        for (int f = 0; f < kColFrags; ++f) {
-          const int col = wn * kColsPerWarp + f * 8 + 2 * (lane & 3);
-          store_out_pair(p, base, col, o[f][2 * j] * inv_l[j], o[f][2 * j + 1] * inv_l[j]);
+    // One row per pass of a loop that is not unrolled (row 1's values move into row 0's
+    // registers for the second pass), each output kind's stores once (store_row_pairs): the
+    // final output and LSE, or for a piece of a split unit the normalised fp32 partial output
+    // and its LSE, merged by the combine kernel.
+    const int kind = out_kind(p, item.slot >= 0);
+    const int col = wn * kColsPerWarp + 2 * (lane & 3);
+#pragma unroll 1
+    for (int j = 0; j < 2; ++j) {
+      const int rl = j == 0 ? row_local[0] : row_local[1];
+      const float inv = j == 0 ? inv_l[0] : inv_l[1];
+      const float row_lse = j == 0 ? lse[0] : lse[1];
+      if (rl < valid_rows) {
+        void* base;
+        float* lse_dst = nullptr;
+        if (item.slot >= 0) {
+          const int64_t slot_row = int64_t(item.slot) * kMaxBlockM + rl;
+          base = p.schedule.partial_out + slot_row * kValueDim;
+          lse_dst = p.schedule.partial_lse + slot_row;
+        } else {
+          const int r = row0 + rl;
+          const int64_t token = g.q_start + r / num_heads;
+          const int head = r % num_heads;
+          base = out_row(p, token, head);
+          if (p.lse != nullptr) lse_dst = p.lse + token * p.lse_stride_t + head * p.lse_stride_h;
         }
-        if (p.lse != nullptr && wn == 0 && (lane & 3) == 0)
-          p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse[j];
+        store_row_pairs<kColFrags>(
+            p, kind, base, col, inv, [&](int n) { return make_float2(o[n][0], o[n][1]); },
+            [&] {
+#pragma unroll
+              for (int f = 0; f < kColFrags - 1; ++f) {
+                o[f][0] = o[f + 1][0];
+                o[f][1] = o[f + 1][1];
+              }
+            });
+        if (lse_dst != nullptr && wn == 0 && (lane & 3) == 0) *lse_dst = row_lse;
       }
-    } else {
-      // One piece of a split unit: normalised fp32 partial output and LSE, merged by combine.
+      // Row 1's values into row 0's registers (a rotation above moved only row 0's columns).
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        if (row_local[j] >= valid_rows) continue;
-        const int64_t slot_row = int64_t(item.slot) * kMaxBlockM + row_local[j];
-        float* base = p.schedule.partial_out + slot_row * kValueDim;
-#pragma unroll
-        for (int f = 0; f < kColFrags; ++f) {
-          const int col = wn * kColsPerWarp + f * 8 + 2 * (lane & 3);
-          *reinterpret_cast<float2*>(base + col) =
-              make_float2(o[f][2 * j] * inv_l[j], o[f][2 * j + 1] * inv_l[j]);
-        }
-        if (wn == 0 && (lane & 3) == 0) p.schedule.partial_lse[slot_row] = lse[j];
+      for (int f = 0; f < kColFrags; ++f) {
+        o[f][0] = o[f][2];
+        o[f][1] = o[f][3];
       }
     }
   }
