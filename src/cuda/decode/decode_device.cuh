@@ -119,18 +119,26 @@ __device__ __forceinline__ void store_row_pairs(const DecodeParams& p, int kind,
   }
 }
 
+// Cache slot (page * page_size + offset in the page) of key `key` of `request`, or -1 when the
+// key is at or past kv_end or its page id is not a page of the pool (such keys are read as
+// zeros, or skipped).
+__device__ __forceinline__ int64_t cache_slot(const DecodeParams& p, int request, int key, int kv_end) {
+  if (key >= kv_end) return -1;
+  const int page = p.block_table[int64_t(request) * p.block_table_stride_b +
+                                 int64_t(key >> p.page_shift) * p.block_table_stride_j];
+  if (page < 0 || page >= p.num_pages) return -1;
+  return (int64_t(page) << p.page_shift) | (key & ((1 << p.page_shift) - 1));
+}
+
 // Asks L2 for the cache rows of keys [key, key + count) of `request`, which must lie in one page
 // (its rows are contiguous); keys at or past kv_end and pages outside the pool are skipped. The
 // loads of those keys a tile or two later then wait for L2 rather than for memory, and each SM
 // keeps more bytes in flight than its shared-memory stages hold.
 __device__ __forceinline__ void prefetch_keys_l2(const DecodeParams& p, int request, int key, int count,
                                                  int kv_end) {
-  if (key >= kv_end) return;
+  const int64_t slot = cache_slot(p, request, key, kv_end);
+  if (slot < 0) return;
   if (count > kv_end - key) count = kv_end - key;
-  const int page = p.block_table[int64_t(request) * p.block_table_stride_b +
-                                 int64_t(key >> p.page_shift) * p.block_table_stride_j];
-  if (page < 0 || page >= p.num_pages) return;
-  const int64_t slot = (int64_t(page) << p.page_shift) | (key & ((1 << p.page_shift) - 1));
   const int64_t row_bytes = p.kv_is_fp8 ? kHeadDim : kHeadDim * 2;
   prefetch_l2(static_cast<const char*>(p.kv_cache) + slot * row_bytes, uint32_t(count * row_bytes));
 }

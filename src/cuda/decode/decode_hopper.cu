@@ -115,20 +115,12 @@ struct HopperParams {
 // out-of-bounds coordinates, which TMA fills with zeros.
 __device__ __forceinline__ void issue_group(const HopperParams& hp, int request, int key0, int kv_end,
                                             uint8_t* stage, int g, uint64_t* full) {
-  const DecodeParams& p = hp.p;
   const int box_rows = hp.box_rows;
   const int first = group_first_box(g), count = group_boxes(g);
   mbar_arrive_expect_tx(full, uint32_t(count * kBoxBytes));
   for (int sub = 0; sub < 64; sub += box_rows) {
-    const int key = key0 + sub;
-    int row = -box_rows;  // wholly out of bounds: zero-filled
-    if (key < kv_end) {
-      const int block = key >> p.page_shift;
-      const int page = p.block_table[int64_t(request) * p.block_table_stride_b +
-                                     int64_t(block) * p.block_table_stride_j];
-      if (page >= 0 && page < p.num_pages)
-        row = (page << p.page_shift) | (key & ((1 << p.page_shift) - 1));
-    }
+    const int64_t slot = cache_slot(hp.p, request, key0 + sub, kv_end);
+    const int row = slot < 0 ? -box_rows : int(slot);  // wholly out of bounds: zero-filled
     for (int c = first; c < first + count; ++c)
       tma_load_2d(stage + c * kBoxBytes + sub * 128, &hp.kv_map, full, c * 64, row, kEvictNormal);
   }

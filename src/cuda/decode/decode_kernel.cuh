@@ -220,13 +220,8 @@ struct DecodeCta {
   // Element offset of key `key`'s cache row, or -1 when the key is outside [0, kv_end) or its
   // page id is not a page of the pool (such rows are zero-filled, never read).
   __device__ __forceinline__ int64_t key_row(int request, int key, int kv_end) const {
-    if (key >= kv_end) return -1;
-    const int block = key >> p.page_shift;
-    const int page = p.block_table[int64_t(request) * p.block_table_stride_b +
-                                   int64_t(block) * p.block_table_stride_j];
-    if (page < 0 || page >= p.num_pages) return -1;
-    const int64_t slot = (int64_t(page) << p.page_shift) | (key & ((1 << p.page_shift) - 1));
-    return slot * kHeadDim;
+    const int64_t slot = cache_slot(p, request, key, kv_end);
+    return slot < 0 ? -1 : slot * kHeadDim;
   }
 
   // Keys [key0, key0 + 64) of `request` -> swizzled tile (16-bit cache): 8 threads per row.
