@@ -570,8 +570,11 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
           c1[j] = sm.c1[rs.row_local[j]];
           m1[j] = sm.m1[rs.row_local[j]];
         }
-        float unused[2];
-        exp_scores<T>(s, m1, pk, unused);
+        // P0 at m1: the P0 in pk (at m0) unless a row of the warp got a new max in the odd tile.
+        if (__any_sync(0xffffffffu, c1[0] != 1.0f || c1[1] != 1.0f)) {
+          float unused[2];
+          exp_scores<T>(s, m1, pk, unused);
+        }
       } else {
         m1[0] = m0[0];
         m1[1] = m0[1];
