@@ -256,15 +256,16 @@ class GpuRunner final : public Runner {
     const double plan_us = time_median_us(warmup, iters, [&] {
       plan_decode(schedule, kv_lens_view, TensorView{}, c.q_len, c.q_len, stream_);
     });
-    // Kernels: the portable one, then the one mla_decode picks (the Hopper kernel where it
-    // applies), each with the schedule; then the picked one without a schedule.
+    // Kernels: the portable one and the Hopper one (where it applies), each with the schedule;
+    // then the one mla_decode picks without a schedule. mla_decode_kernel_name throws for a
+    // kernel that does not apply to the case or the card.
     struct Variant {
       const DecodeSchedule* schedule;
       DecodeKernel kernel;
     };
     std::vector<std::string> seen;
     for (const Variant v : {Variant{&schedule, DecodeKernel::kPortable},
-                            Variant{&schedule, DecodeKernel::kAuto},
+                            Variant{&schedule, DecodeKernel::kHopper},
                             Variant{nullptr, DecodeKernel::kAuto}}) {
       const DeviceMemory out = nan_output(out_bytes);
       DecodeBuffers buffers;
@@ -277,7 +278,13 @@ class GpuRunner final : public Runner {
       args.schedule = v.schedule;
       args.kernel = v.kernel;
       Measurement m;
-      m.kernel = std::string("mla-") + mla_decode_kernel_name(args) + (v.schedule ? "" : "-unsplit");
+      const char* name = nullptr;
+      try {
+        name = mla_decode_kernel_name(args);
+      } catch (const Error&) {
+        continue;  // the Hopper kernel does not apply here
+      }
+      m.kernel = std::string("mla-") + name + (v.schedule ? "" : "-unsplit");
       if (std::find(seen.begin(), seen.end(), m.kernel) != seen.end()) continue;
       seen.push_back(m.kernel);
       m.time_us = time_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
