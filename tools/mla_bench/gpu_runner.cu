@@ -282,6 +282,7 @@ class GpuRunner final : public Runner {
       try {
         name = mla_decode_kernel_name(args);
       } catch (const Error&) {
+        if (v.kernel != DecodeKernel::kHopper) throw;
         continue;  // the Hopper kernel does not apply here
       }
       m.kernel = std::string("mla-") + name + (v.schedule ? "" : "-unsplit");

@@ -11,8 +11,9 @@
 // piece count: warp j of a row sums pieces j, j + W, ... (4 pieces per step, so 16 independent
 // 16-byte loads per lane are in flight), each lane owning 16 of the 512 columns, and the W
 // partial sums meet in shared memory, where warp j sums and stores column groups j, j + W, ...
-// The row's LSE takes one pass over the pieces' LSEs (running max and sum together). A request split over ~130 CTAs costs ~6 memory round trips;
-// a large batch of units in two or three pieces gives each row one warp and two round trips.
+// The row's LSE takes one pass over the pieces' LSEs (running max and sum together). A request
+// split over ~130 CTAs costs ~6 memory round trips; a large batch of units in two or three
+// pieces gives each row one warp and two round trips.
 //
 // Version history: v1 one warp per row, one piece per step (latency-bound: ~45 us for one 32k
 // request with 16 heads on an H200); v2 four warps per row, four pieces per step, two passes for

@@ -119,6 +119,26 @@ __device__ __forceinline__ void store_row_pairs(const DecodeParams& p, int kind,
   }
 }
 
+// The q_nope and q_pe rows of flattened query row r (token r / H, head r % H) of the request
+// whose first token is q_start; chunk(c) is the source of 16-byte chunk c of the row's 576
+// values (chunks 0..63 from q_nope, 64..71 from q_pe).
+template <typename T>
+struct QRow {
+  const T* nope;
+  const T* pe;
+  __device__ __forceinline__ const T* chunk(int c) const {
+    return c < kValueDim / 8 ? nope + c * 8 : pe + (c - kValueDim / 8) * 8;
+  }
+};
+template <typename T>
+__device__ __forceinline__ QRow<T> q_row(const DecodeParams& p, int64_t q_start, int r) {
+  const int num_heads = p.layout.num_heads;
+  const int64_t token = q_start + r / num_heads;
+  const int head = r % num_heads;
+  return {static_cast<const T*>(p.q_nope) + token * p.q_nope_stride_t + head * p.q_nope_stride_h,
+          static_cast<const T*>(p.q_pe) + token * p.q_pe_stride_t + head * p.q_pe_stride_h};
+}
+
 // Cache slot (page * page_size + offset in the page) of key `key` of `request`, or -1 when the
 // key is at or past kv_end or its page id is not a page of the pool (such keys are read as
 // zeros, or skipped).
@@ -147,6 +167,31 @@ __device__ __forceinline__ void prefetch_keys_l2(const DecodeParams& p, int requ
 __device__ __forceinline__ void* out_row(const DecodeParams& p, int64_t token, int head) {
   const int64_t elem = p.out_dtype == kOutFP32 ? 4 : 2;
   return static_cast<char*>(p.out) + (token * p.out_stride_t + head * p.out_stride_h) * elem;
+}
+
+// Natural-log LSE of a row from its max m (exp2 domain) and its sum of exp2(s - m): -inf for a
+// row that saw no key (sum 0).
+__device__ __forceinline__ float row_lse(float m, float sum) {
+  return sum > 0.0f ? (m + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+}
+
+// Where row rl of an item's tile goes: for a piece of a split unit (slot >= 0) its normalised
+// fp32 row and LSE in the workspace, else the output row and the caller's LSE (null when none
+// was asked for).
+struct RowDst {
+  void* out;
+  float* lse;
+};
+__device__ __forceinline__ RowDst row_dst(const DecodeParams& p, int slot, const ItemRange& r, int rl) {
+  if (slot >= 0) {
+    const int64_t slot_row = int64_t(slot) * kMaxBlockM + rl;
+    return {p.schedule.partial_out + slot_row * kValueDim, p.schedule.partial_lse + slot_row};
+  }
+  const int row = r.row0 + rl;
+  const int64_t token = r.g.q_start + row / p.layout.num_heads;
+  const int head = row % p.layout.num_heads;
+  float* lse = p.lse != nullptr ? p.lse + token * p.lse_stride_t + head * p.lse_stride_h : nullptr;
+  return {out_row(p, token, head), lse};
 }
 
 }  // namespace mla::cuda::decode

@@ -163,16 +163,12 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r
   constexpr int kChunks = kHeadDim / 8;  // 72 chunks of 8 values: 64 of q_nope, 8 of q_pe
   const int row = ct >> 2, c0 = ct & 3;
   const bool valid = row < r.valid_rows;
-  const int rr = r.row0 + (valid ? row : 0);  // rows past valid_rows: zero-filled, not read
-  const int64_t token = r.g.q_start + rr / p.layout.num_heads;
-  const int head = rr % p.layout.num_heads;
-  const T* nope = static_cast<const T*>(p.q_nope) + token * p.q_nope_stride_t + head * p.q_nope_stride_h;
-  const T* pe = static_cast<const T*>(p.q_pe) + token * p.q_pe_stride_t + head * p.q_pe_stride_h;
+  // Rows past valid_rows are zero-filled, not read (row 0's address stands in).
+  const QRow<T> q = q_row<T>(p, r.g.q_start, r.row0 + (valid ? row : 0));
 #pragma unroll
   for (int j = 0; j < kChunks / 4; ++j) {
-    const int c = c0 + 4 * j;  // chunks 0..63: q_nope; 64..71: q_pe (j >= 16)
-    const T* src = j < kValueDim / 32 ? nope + c * 8 : pe + (c - kValueDim / 8) * 8;
-    cp_async_16(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8), src, valid);
+    const int c = c0 + 4 * j;
+    cp_async_16(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8), q.chunk(c), valid);
   }
   cp_async_commit();
   cp_async_wait<0>();
@@ -185,7 +181,6 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r
 __device__ __forceinline__ void store_o(const DecodeParams& p, const ItemRange& r, const WorkItem& item,
                                         float (&o)[128], const int (&row_local)[2],
                                         const float (&inv_l)[2], int col0, int lane) {
-  const int num_heads = p.layout.num_heads;
   const int col = col0 + 2 * (lane & 3);
   const int kind = out_kind(p, item.slot >= 0);
 #pragma unroll 1
@@ -193,13 +188,7 @@ __device__ __forceinline__ void store_o(const DecodeParams& p, const ItemRange& 
     const int rl = j == 0 ? row_local[0] : row_local[1];
     const float inv = j == 0 ? inv_l[0] : inv_l[1];
     if (rl < r.valid_rows) {
-      void* base;
-      if (item.slot >= 0) {
-        base = p.schedule.partial_out + (int64_t(item.slot) * kMaxBlockM + rl) * kValueDim;
-      } else {
-        const int rr = r.row0 + rl;
-        base = out_row(p, r.g.q_start + rr / num_heads, rr % num_heads);
-      }
+      void* base = row_dst(p, item.slot, r, rl).out;
       store_row_pairs<32>(
           p, kind, base, col, inv, [&](int n) { return make_float2(o[4 * n], o[4 * n + 1]); },
           [&] {
@@ -406,20 +395,14 @@ __device__ __forceinline__ void finish_rows(const DecodeParams& p, const ItemRan
   mbar_arrive(&xbar[left ? kXL0 : kXL1]);
   mbar_wait(&xbar[left ? kXL1 : kXL0], sums_phase);
   sums_phase ^= 1;
-  const int num_heads = p.layout.num_heads;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const float total = l[j] + other[rs.row_local[j]];
     const bool any = total > 0.0f;
     inv_l[j] = any ? p.out_scale / total : 0.0f;
     if (left && (lane & 3) == 0 && rs.row_local[j] < r.valid_rows) {
-      const float lse = any ? (m[j] + log2f(total)) * 0.69314718055994531f : -INFINITY;
-      if (item.slot >= 0) {
-        p.schedule.partial_lse[int64_t(item.slot) * kMaxBlockM + rs.row_local[j]] = lse;
-      } else if (p.lse != nullptr) {
-        const int rr = r.row0 + rs.row_local[j];
-        p.lse[(r.g.q_start + rr / num_heads) * p.lse_stride_t + (rr % num_heads) * p.lse_stride_h] = lse;
-      }
+      float* lse = row_dst(p, item.slot, r, rs.row_local[j]).lse;
+      if (lse != nullptr) *lse = row_lse(m[j], total);
     }
   }
 }

@@ -162,17 +162,13 @@ struct DecodeCta {
       constexpr int kPerThread = (Traits::kChunks + kThreadsPerRow - 1) / kThreadsPerRow;
       const int row = tid / kThreadsPerRow, c0 = tid % kThreadsPerRow;
       const bool valid = row < valid_rows;
-      const int r = row0 + (valid ? row : 0);  // rows past valid_rows: zero-filled, not read
-      const int64_t token = q_start + r / num_heads;
-      const int head = r % num_heads;
-      const T* nope = static_cast<const T*>(p.q_nope) + token * p.q_nope_stride_t + head * p.q_nope_stride_h;
-      const T* pe = static_cast<const T*>(p.q_pe) + token * p.q_pe_stride_t + head * p.q_pe_stride_h;
+      // Rows past valid_rows are zero-filled, not read (row 0's address stands in).
+      const QRow<T> q = q_row<T>(p, q_start, row0 + (valid ? row : 0));
 #pragma unroll
       for (int j = 0; j < kPerThread; ++j) {
         const int c = c0 + kThreadsPerRow * j;
         if (Traits::kChunks % kThreadsPerRow != 0 && c >= Traits::kChunks) break;
-        const T* src = c < kValueDim / 8 ? nope + c * 8 : pe + (c - kValueDim / 8) * 8;
-        cp_async_16(s.q + qk_offset(row, c), src, valid);
+        cp_async_16(s.q + qk_offset(row, c), q.chunk(c), valid);
       }
     } else if (p.q_vector_ok) {  // fp8 rows: 16 values per load, converted to T
       for (int idx = tid; idx < kBlockM * (kHeadDim / 16); idx += kThreads) {
@@ -180,15 +176,8 @@ struct DecodeCta {
         const int c16 = idx - row * (kHeadDim / 16);
         uint4 raw = make_uint4(0, 0, 0, 0);
         if (row < valid_rows) {
-          const int r = row0 + row;
-          const int64_t token = q_start + r / num_heads;
-          const int head = r % num_heads;
-          const uint8_t* src =
-              c16 < kValueDim / 16
-                  ? static_cast<const uint8_t*>(p.q_nope) + token * p.q_nope_stride_t +
-                        head * p.q_nope_stride_h + c16 * 16
-                  : static_cast<const uint8_t*>(p.q_pe) + token * p.q_pe_stride_t +
-                        head * p.q_pe_stride_h + (c16 - kValueDim / 16) * 16;
+          const QRow<uint8_t> q = q_row<uint8_t>(p, q_start, row0 + row);
+          const uint8_t* src = c16 < kValueDim / 16 ? q.nope + c16 * 16 : q.pe + (c16 - kValueDim / 16) * 16;
           raw = __ldg(reinterpret_cast<const uint4*>(src));
         }
         uint4 lo, hi;
@@ -451,7 +440,7 @@ struct DecodeCta {
       for (int n = 0; n < kWarpsN; ++n) total += s.row_sum[n][row_local[j]];
       const bool any = total > 0.0f;  // >= 1 whenever a key was seen (the max contributes 1)
       inv_l[j] = any ? p.out_scale / total : 0.0f;
-      lse[j] = any ? (row_m[j] + log2f(total)) * 0.69314718055994531f : -INFINITY;
+      lse[j] = row_lse(row_m[j], total);
     }
 
     // One row per pass of a loop that is not unrolled (row 1's values move into row 0's
@@ -464,23 +453,11 @@ struct DecodeCta {
     for (int j = 0; j < 2; ++j) {
       const int rl = j == 0 ? row_local[0] : row_local[1];
       const float inv = j == 0 ? inv_l[0] : inv_l[1];
-      const float row_lse = j == 0 ? lse[0] : lse[1];
+      const float lse_j = j == 0 ? lse[0] : lse[1];
       if (rl < valid_rows) {
-        void* base;
-        float* lse_dst = nullptr;
-        if (item.slot >= 0) {
-          const int64_t slot_row = int64_t(item.slot) * kMaxBlockM + rl;
-          base = p.schedule.partial_out + slot_row * kValueDim;
-          lse_dst = p.schedule.partial_lse + slot_row;
-        } else {
-          const int r = row0 + rl;
-          const int64_t token = g.q_start + r / num_heads;
-          const int head = r % num_heads;
-          base = out_row(p, token, head);
-          if (p.lse != nullptr) lse_dst = p.lse + token * p.lse_stride_t + head * p.lse_stride_h;
-        }
+        const RowDst dst = row_dst(p, item.slot, range, rl);
         store_row_pairs<kColFrags>(
-            p, kind, base, col, inv, [&](int n) { return make_float2(o[n][0], o[n][1]); },
+            p, kind, dst.out, col, inv, [&](int n) { return make_float2(o[n][0], o[n][1]); },
             [&] {
 #pragma unroll
               for (int f = 0; f < kColFrags - 1; ++f) {
@@ -488,7 +465,7 @@ struct DecodeCta {
                 o[f][1] = o[f + 1][1];
               }
             });
-        if (lse_dst != nullptr && wn == 0 && (lane & 3) == 0) *lse_dst = row_lse;
+        if (dst.lse != nullptr && wn == 0 && (lane & 3) == 0) *dst.lse = lse_j;
       }
       // Row 1's values into row 0's registers (a rotation above moved only row 0's columns).
 #pragma unroll

@@ -115,20 +115,22 @@ __device__ __forceinline__ long long div_pos(long long a, long long b) {
   return div_pos_wide(a, b);  // out of line: this kernel runs once, from a cold instruction cache
 }
 
+// The part (CTA) of a position on the cost line: payload cost units a part, the rest to the last.
+__device__ __forceinline__ int part_of(long long position, long long payload, int parts) {
+  const long long q = div_pos(position, payload);
+  return q < parts - 1 ? int(q) : parts - 1;
+}
+
 // The parts a unit spans on the cost line, after snapping cuts near its edges.
 struct UnitSpan {
   int part_first, part_last;
 };
 __device__ __forceinline__ UnitSpan unit_span(long long start, long long end, long long payload,
                                               long long snap, int parts) {
-  auto part_of = [&](long long position) {
-    const long long q = div_pos(position, payload);
-    return q < parts - 1 ? int(q) : parts - 1;
-  };
-  int first = part_of(start);
+  int first = part_of(start, payload, parts);
   const long long next_cut = (long long)(first + 1) * payload;
   if (first + 1 <= parts - 1 && next_cut < end && next_cut - start <= snap) ++first;
-  int last = max(part_of(end - 1), first);
+  int last = max(part_of(end - 1, payload, parts), first);
   if (last > first && end - (long long)last * payload <= snap) --last;
   return {first, last};
 }
@@ -234,10 +236,6 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
                                        : 4LL * (whole - even) <= max_unit_cost;
   if (whole_fits && whole > payload) payload = whole;
   const long long snap = payload / 8 > kOverheadBlocks ? payload / 8 : kOverheadBlocks;
-  auto part_of = [&](long long position) {
-    const long long q = div_pos(position, payload);
-    return q < parts - 1 ? int(q) : parts - 1;
-  };
 
   // Pass 2: items, split units and slots of this thread's units.
   int my_items = 0, my_splits = 0, my_slots = 0;
@@ -257,7 +255,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
           pieces = span.part_last - span.part_first + 1;
           my_last_part = span.part_last;
         } else {
-          my_last_part = part_of(pos);
+          my_last_part = part_of(pos, payload, parts);
         }
         my_items += pieces;
         if (pieces > 1) {
@@ -301,8 +299,9 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
         const UnitCost c = unit_cost(g, cost_tile(tiles, t), block_m, num_heads);
         const long long first = pos + kOverheadBlocks;
         if (c.blocks == 0) {
-          if (item < pp.max_items) pp.items[item] = WorkItem{b, t, 0, 0, -1, part_of(pos), 0, 0};
-          begin_parts(item, part_of(pos));
+          const int part = part_of(pos, payload, parts);
+          if (item < pp.max_items) pp.items[item] = WorkItem{b, t, 0, 0, -1, part, 0, 0};
+          begin_parts(item, part);
           ++item;
         } else {
           const long long end = first + c.blocks;
