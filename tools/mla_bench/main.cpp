@@ -31,7 +31,7 @@ each result against a float64 naive computation. Without case options it runs --
   --device auto|cpu|cuda   where to run (auto: cuda when built with CUDA and a GPU is present)
   --op decode|prefill|all  which ops (default all; also filters a sweep)
   --sweep NAME             default  a small decode + prefill set (seconds on a CPU)
-                           decode   batch {1,16,64,128} x heads {16,128} x kv_len {1k,4k,16k}
+                           decode   batch {1,16,64,128,256} x heads {16,128} x kv_len {1k,4k,16k}
                                     x q_len {1,2}, page 64, bf16 and fp8
                            prefill  tokens {1k,8k,32k} x heads {16,128}, about 4k tokens a request
   --batch N                requests (default 4)
@@ -179,7 +179,7 @@ std::vector<BenchCase> sweep_cases(const std::string& name) {
   } else if (name == "decode") {
     for (DType dtype : {DType::kBF16, DType::kFP8E4M3})
       for (int heads : {16, 128})
-        for (int batch : {1, 16, 64, 128})
+        for (int batch : {1, 16, 64, 128, 256})
           for (int kv_len : {1024, 4096, 16384})
             for (int q_len : {1, 2}) cases.push_back(decode_case(batch, heads, kv_len, q_len, 64, dtype));
   } else if (name == "prefill") {
