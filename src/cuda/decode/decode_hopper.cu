@@ -119,8 +119,9 @@ __device__ __forceinline__ int box_row(const HopperParams& hp, int request, int 
 
 // Group g of the tile's keys [key0, key0 + 64) -> its boxes of the stage, as 64 / box_rows row
 // groups. row0 is the first row group's box_row, looked up by the caller before it waited for the
-// stage: a block-table load on the path from a release to the reload costs ~500 cycles (a
-// third of the reload). Smaller pages look up their other row groups here.
+// stage: a block-table load on the path from a release to the reload costs ~450 cycles, about a
+// third of the time from the release to the reload's landing. Smaller pages look up their other
+// row groups here.
 __device__ __forceinline__ void issue_group(const HopperParams& hp, int request, int key0, int kv_end,
                                             int row0, uint8_t* stage, int g, uint64_t* full) {
   const int box_rows = hp.box_rows;
