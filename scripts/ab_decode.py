@@ -4,7 +4,8 @@
 Runs every build on every case, interleaved, for several rounds (so that a drift of the card's
 clocks during the call hits every build alike), and prints for each case and kernel the best
 median of each build and its ratio to the first build. Absolute times move between cards and
-calls; only a comparison made in one call says what a change did (docs/perf-notes.md).
+calls; only a comparison made in one call says what a change did (docs/perf-notes.md). Where the
+rows carry the plan's time (scheduled kernels on a GPU), a `plan_decode` line compares it too.
 
   scripts/ab_decode.py --out DIR --build base=old/mla-bench --build new=build/tools/mla-bench \\
       --case "--heads 128 --batch 128 --kv-len 4096" --case "--heads 16 --batch 1 --kv-len 4096"
@@ -77,6 +78,10 @@ def main():
                 for r in rows:
                     if r.get("time_us") is None:
                         continue
+                    if r.get("plan_us") is not None:  # the plan, once a case (the same for each kernel)
+                        plan = best.setdefault((ci, "plan_decode"), {})
+                        if tag not in plan or r["plan_us"] < plan[tag][0]:
+                            plan[tag] = (r["plan_us"], True)
                     slot = best.setdefault((ci, r["kernel"]), {})
                     prev = slot.get(tag)
                     verified = bool(r.get("verified"))
