@@ -35,6 +35,12 @@ def parse_build(spec):
     return tag, path, extra
 
 
+def record(best, case, kernel, tag, time_us, verified):
+    """Keeps the best time of (case, kernel, tag) and whether all of its runs verified."""
+    t, v = best.setdefault((case, kernel), {}).get(tag, (float("inf"), True))
+    best[(case, kernel)][tag] = (min(t, time_us), v and verified)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for the JSON and stderr of every run")
@@ -78,18 +84,11 @@ def main():
                 for r in rows:
                     if r.get("time_us") is None:
                         continue
-                    if r.get("plan_us") is not None:  # the plan, once a case (the same for each kernel)
-                        plan = best.setdefault((ci, "plan_decode"), {})
-                        if tag not in plan or r["plan_us"] < plan[tag][0]:
-                            plan[tag] = (r["plan_us"], True)
-                    slot = best.setdefault((ci, r["kernel"]), {})
-                    prev = slot.get(tag)
                     verified = bool(r.get("verified"))
                     ok = ok and verified
-                    if prev is None or r["time_us"] < prev[0]:
-                        slot[tag] = (r["time_us"], verified and (prev is None or prev[1]))
-                    elif not verified:
-                        slot[tag] = (prev[0], False)
+                    record(best, ci, r["kernel"], tag, r["time_us"], verified)
+                    if r.get("plan_us") is not None:  # the plan's time, carried by every row
+                        record(best, ci, "plan_decode", tag, r["plan_us"], True)
 
     base = tags[0]
     for (ci, kernel), by_tag in sorted(best.items()):
