@@ -707,7 +707,10 @@ template <typename T>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     mla_decode_hopper_kernel(const __grid_constant__ HopperParams hp) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Aligned by an offset from the __shared__ array (not through an integer), so that the compiler
+  // still knows every pointer derived from it is shared memory and emits STS / LDS rather than
+  // generic ST / LD (P exchange, row statistics, zeroed tails).
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const DecodeParams& p = hp.p;
 
   if (threadIdx.x == 0) {
