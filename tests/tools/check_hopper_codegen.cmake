@@ -1,0 +1,50 @@
+# Compiles the Hopper decode kernels' PTX with ptxas (no GPU needed) and fails when the code that
+# ptxas generates has lost what the kernel's speed rests on:
+#   - wgmma serialised: ptxas notes C7510 / C7520 ("wgmma.mma_async instructions are serialized"),
+#     emitted when, for example, the warps of a consumer warpgroup take different paths around a
+#     loop between two wgmma groups. Every wgmma then waits for the one before it; the kernel
+#     still computes the right answer, 30-40 % slower.
+#   - register spills: the kernel's register budget (setmaxnreg: producer 40, consumers 232, of the
+#     168 x 384 the CTA has) is exact; a spill means a change outgrew it.
+# Inputs: -DPTXAS=<ptxas> -DPTX=<file.ptx> -DARCH=sm_90a -DOUT=<scratch cubin>
+foreach(var PTXAS PTX ARCH OUT)
+  if(NOT ${var})
+    message(FATAL_ERROR "check_hopper_codegen: -D${var}=... is required")
+  endif()
+endforeach()
+if(NOT EXISTS "${PTX}")
+  message(FATAL_ERROR "check_hopper_codegen: no PTX at ${PTX} (build the target mla_hopper_ptx first)")
+endif()
+execute_process(COMMAND ${PTXAS} -arch=${ARCH} -O3 -v --generate-line-info ${PTX} -o ${OUT}
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+string(APPEND out "${err}")
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "ptxas failed (${rc}):\n${out}")
+endif()
+
+# Every entry point that ptxas compiled, with its register and spill lines.
+string(REGEX MATCHALL "Compiling entry function '[^']+'" entries "${out}")
+list(LENGTH entries n_entries)
+if(n_entries EQUAL 0)
+  message(FATAL_ERROR "ptxas compiled no entry function from ${PTX}:\n${out}")
+endif()
+set(problems "")
+string(REGEX MATCHALL "[^\n]*(C7510|C7520|instructions are serialized)[^\n]*" serial "${out}")
+foreach(line IN LISTS serial)
+  string(APPEND problems "  wgmma serialised: ${line}\n")
+endforeach()
+string(REGEX MATCHALL "[0-9]+ bytes spill stores, [0-9]+ bytes spill loads" spills "${out}")
+list(LENGTH spills n_spills)
+if(NOT n_spills EQUAL n_entries)
+  message(FATAL_ERROR "expected one spill line per entry function (${n_entries}), found ${n_spills}:\n${out}")
+endif()
+foreach(line IN LISTS spills)
+  if(NOT line MATCHES "^0 bytes spill stores, 0 bytes spill loads")
+    string(APPEND problems "  register spills: ${line}\n")
+  endif()
+endforeach()
+string(REGEX MATCHALL "Used [0-9]+ registers" regs "${out}")
+message(STATUS "${n_entries} entry functions; ${regs}; ${spills}")
+if(problems)
+  message(FATAL_ERROR "Hopper decode code generation (${ARCH}):\n${problems}")
+endif()
