@@ -33,10 +33,11 @@ string(REGEX MATCHALL "[^\n]*(C7510|C7520|instructions are serialized)[^\n]*" se
 foreach(line IN LISTS serial)
   string(APPEND problems "  wgmma serialised: ${line}\n")
 endforeach()
+# One spill line per compiled function (entry points, and any device function kept out of line).
 string(REGEX MATCHALL "[0-9]+ bytes spill stores, [0-9]+ bytes spill loads" spills "${out}")
 list(LENGTH spills n_spills)
-if(NOT n_spills EQUAL n_entries)
-  message(FATAL_ERROR "expected one spill line per entry function (${n_entries}), found ${n_spills}:\n${out}")
+if(n_spills LESS n_entries)
+  message(FATAL_ERROR "expected a spill line for each of the ${n_entries} entry functions, found ${n_spills}:\n${out}")
 endif()
 foreach(line IN LISTS spills)
   if(NOT line MATCHES "^0 bytes spill stores, 0 bytes spill loads")
