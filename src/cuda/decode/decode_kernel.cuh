@@ -176,9 +176,9 @@ struct DecodeCta {
         const int c16 = idx - row * (kHeadDim / 16);
         uint4 raw = make_uint4(0, 0, 0, 0);
         if (row < valid_rows) {
+          // 16 one-byte values are two 8-value chunks: this load is chunk 2 * c16 onwards.
           const QRow<uint8_t> q = q_row<uint8_t>(p, q_start, row0 + row);
-          const uint8_t* src = c16 < kValueDim / 16 ? q.nope + c16 * 16 : q.pe + (c16 - kValueDim / 16) * 16;
-          raw = __ldg(reinterpret_cast<const uint4*>(src));
+          raw = __ldg(reinterpret_cast<const uint4*>(q.chunk(2 * c16)));
         }
         uint4 lo, hi;
         fp8x16_to<T>(raw, lo, hi);
