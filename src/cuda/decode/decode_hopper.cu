@@ -75,18 +75,16 @@ constexpr int kBarItem = 1;   // item start / Q ready
 constexpr int kBarLeft = 2;   // WG1 alone
 constexpr int kBarRight = 3;  // WG2 alone
 
-// Exchanges between the consumer warpgroups, once per pair: named barriers of 256 threads that
-// every thread of the writer arrives at (bar.arrive, release: the writer never waits) and every
-// thread of the reader passes (bar.sync, acquire). A writer never arrives twice before the
-// reader's sync: its next arrival depends on the reader through another exchange or through a
-// stage the reader releases (see run_left).
-constexpr int kXA = 4;  // WG1 -> WG2: m0, c0 (every pair)
-constexpr int kXB = 5;  // WG2 -> WG1: P1 (stage 1's PE box), m1, c1 (pairs with an odd tile)
-constexpr int kXC = 6;  // WG1 -> WG2: P0 at the pair's final max m1 (stage 0's PE box; every pair)
-// Row sums at the end of an item, through mbarriers that every writer thread arrives at.
-constexpr int kXL0 = 0;  // WG1 -> WG2: row sums of the even tiles
-constexpr int kXL1 = 1;  // WG2 -> WG1: row sums of the odd tiles
-constexpr int kExchanges = 2;
+// Exchanges between the consumer warpgroups, once per pair: mbarriers that every thread of the
+// writer arrives at (release) and the reader waits on (acquire), so the writer never waits. A
+// writer cannot complete one twice before the reader's wait: its next arrival depends on the
+// reader through another exchange or through a stage the reader releases (see run_left).
+constexpr int kXA = 0;   // WG1 -> WG2: m0, c0 (every pair)
+constexpr int kXB = 1;   // WG2 -> WG1: P1 (stage 1's PE box), m1, c1 (pairs with an odd tile)
+constexpr int kXC = 2;   // WG1 -> WG2: P0 at the pair's final max m1 (stage 0's PE box; every pair)
+constexpr int kXL0 = 3;  // WG1 -> WG2: row sums of the even tiles, at the end of an item
+constexpr int kXL1 = 4;  // WG2 -> WG1: row sums of the odd tiles
+constexpr int kExchanges = 5;
 
 struct SmemLayout {
   static constexpr int q = 0;
@@ -435,6 +433,7 @@ struct ConsumerSmem {
   float* c1;
   uint64_t* full;
   uint64_t* empty;
+  uint64_t* xbar;
   uint8_t* stage0;
   uint8_t* stage1;
   uint32_t sq_addr, st0, st1;
@@ -446,6 +445,7 @@ struct ConsumerSmem {
         c1(reinterpret_cast<float*>(smem + SmemLayout::c1)),
         full(reinterpret_cast<uint64_t*>(smem + SmemLayout::full)),
         empty(reinterpret_cast<uint64_t*>(smem + SmemLayout::empty)),
+        xbar(reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange)),
         stage0(smem + SmemLayout::k),
         stage1(smem + SmemLayout::k + kTileBytes),
         sq_addr(smem_u32(smem + SmemLayout::q)),
@@ -453,8 +453,8 @@ struct ConsumerSmem {
         st1(smem_u32(smem + SmemLayout::k + kTileBytes)) {}
 
   // Row statistics (and optionally P into stage `stage`'s PE box) to the other warpgroup through
-  // exchange x (a named barrier): first this warpgroup's barrier `bar`, after which every warp's
-  // scores are done with the PE box.
+  // exchange x: first this warpgroup's barrier `bar`, after which every warp's scores are done
+  // with the PE box.
   __device__ __forceinline__ void publish(int x, int bar, const uint32_t (*pk)[8][2], int stage,
                                           float* m_out, float* c_out, const RowState& rs,
                                           const float (&m)[2], const float (&c)[2], int lane) {
@@ -470,8 +470,7 @@ struct ConsumerSmem {
         c_out[rs.row_local[j]] = c[j];
       }
     }
-    __syncwarp();  // bar.arrive is .aligned: the warp reconverges after the stores of lanes % 4 == 0
-    named_arrive(x, 256);
+    mbar_arrive(&xbar[x]);
   }
 
   // Releases groups g0 (and g1 >= 0) of `stage`: one arrival per warp.
@@ -502,6 +501,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
   const int wt = threadIdx.x - 128;
   const int lane = wt & 31;
   ConsumerSmem sm(smem);
+  uint32_t b_phase = 0;  // parity of kXB (completes once per pair with an odd tile)
   uint32_t phase[2] = {0, 0};
   uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
 
@@ -555,7 +555,8 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
       // releases only after its waits on this pair's kXA and kXC; WG2's next kXB arrival
       // follows its wait on the next kXA.
       if (has_odd) {
-        named_sync(kXB, 256);
+        mbar_wait(&sm.xbar[kXB], b_phase);
+        b_phase ^= 1;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           c1[j] = sm.c1[rs.row_local[j]];
@@ -618,6 +619,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
   const int wt = threadIdx.x - 256;
   const int lane = wt & 31;
   ConsumerSmem sm(smem);
+  uint32_t x_phase = 0;  // parity of kXA and kXC (each completes once per pair)
   uint32_t phase[2] = {0, 0};
   uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
 
@@ -642,7 +644,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
       float tile_max[2] = {-INFINITY, -INFINITY};
       if (has_odd) mask_scores(p, r, rs, key0 + kBlockN, lane, s, tile_max);
 
-      named_sync(kXA, 256);  // m0, c0
+      mbar_wait(&sm.xbar[kXA], x_phase);  // m0, c0
       float m0[2], c0[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -676,7 +678,8 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
       }
 
       // O_R += P0' V0_R with P0' = P0 at the pair's final max, from WG1.
-      named_sync(kXC, 256);
+      mbar_wait(&sm.xbar[kXC], x_phase);
+      x_phase ^= 1;
       const int keys0 = r.kv_end - key0;
       if (keys0 < kBlockN) zero_tail_rows(sm.stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
       mbar_wait(&sm.full[0 * kGroups + kGroupR], phase[0]);
