@@ -266,19 +266,17 @@ __device__ __forceinline__ void tile_scores(uint32_t sq_addr, uint32_t tile_addr
   fence_operands(s);
 }
 
-// Masks S (the item's key range, each row's causal limit), scales it to the exp2 domain and
-// returns this thread's part of each row's max (reduced over the quad). A tile that both rows
-// see whole (every tile but the item's last, and the causal edge's) only scales.
+// Masks S (the item's key range, each row's causal limit: -inf) and returns each row's max over
+// the quad in the exp2 domain. S itself stays unscaled: exp_scores scales it inside one FMA
+// (score_scale_log2 > 0, so the max of the scaled scores is the scaled max). A tile that both
+// rows see whole (every tile but the item's last, and the causal edge's) only takes the max.
 __device__ __forceinline__ void mask_scores(const DecodeParams& p, const ItemRange& r, const RowState& rs,
                                             int key0, int lane, float (&s)[32], float (&tile_max)[2]) {
   tile_max[0] = tile_max[1] = -INFINITY;
   const int last_key = key0 + kBlockN - 1;
   if (last_key < r.kv_end && last_key <= rs.key_limit[0] && last_key <= rs.key_limit[1]) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      s[i] *= p.score_scale_log2;
-      tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s[i]);
-    }
+    for (int i = 0; i < 32; ++i) tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s[i]);
   } else {
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
@@ -287,7 +285,7 @@ __device__ __forceinline__ void mask_scores(const DecodeParams& p, const ItemRan
         const int j = e >> 1;
         const int key = key0 + n * 8 + 2 * (lane & 3) + (e & 1);
         const bool seen = key < r.kv_end && key <= rs.key_limit[j];
-        s[4 * n + e] = seen ? s[4 * n + e] * p.score_scale_log2 : -INFINITY;
+        if (!seen) s[4 * n + e] = -INFINITY;
         tile_max[j] = fmaxf(tile_max[j], s[4 * n + e]);
       }
     }
@@ -296,6 +294,7 @@ __device__ __forceinline__ void mask_scores(const DecodeParams& p, const ItemRan
   for (int j = 0; j < 2; ++j) {
     tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 1));
     tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 2));
+    tile_max[j] *= p.score_scale_log2;
   }
 }
 
@@ -303,22 +302,23 @@ __device__ __forceinline__ void mask_scores(const DecodeParams& p, const ItemRan
 // exp2 arguments stay finite (and exp2(-inf - 0) = 0 for masked keys).
 __device__ __forceinline__ float max_offset(float m) { return m == -INFINITY ? 0.0f : m; }
 
-// P = exp2(S - m) rounded to T, packed in the accumulator layout; returns the row sums of the
-// rounded values (this thread's part).
+// P = exp2(scale S - m) rounded to T (S unscaled, m in the exp2 domain), packed in the
+// accumulator layout; returns the row sums of the rounded values (this thread's part).
 template <typename T>
-__device__ __forceinline__ void exp_scores(const float (&s)[32], const float (&m)[2], uint32_t (&pk)[8][2],
-                                           float (&sum)[2]) {
-  float m_use[2];
+__device__ __forceinline__ void exp_scores(const float (&s)[32], float scale, const float (&m)[2],
+                                           uint32_t (&pk)[8][2], float (&sum)[2]) {
+  float neg_m[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    m_use[j] = max_offset(m[j]);
+    neg_m[j] = -max_offset(m[j]);
     sum[j] = 0.0f;
   }
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      pk[n][j] = pack2<T>(fast_exp2(s[4 * n + 2 * j] - m_use[j]), fast_exp2(s[4 * n + 2 * j + 1] - m_use[j]));
+      pk[n][j] = pack2<T>(fast_exp2(fmaf(s[4 * n + 2 * j], scale, neg_m[j])),
+                          fast_exp2(fmaf(s[4 * n + 2 * j + 1], scale, neg_m[j])));
       const float2 rounded = unpack2<T>(pk[n][j]);
       sum[j] += rounded.x + rounded.y;
     }
@@ -532,7 +532,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
         m0[j] = fmaxf(m[j], tile_max[j]);
         c0[j] = rescale(m[j], m0[j]);
       }
-      exp_scores<T>(s, m0, pk, sum);
+      exp_scores<T>(s, p.score_scale_log2, m0, pk, sum);
 #pragma unroll
       for (int j = 0; j < 2; ++j) l[j] = l[j] * c0[j] + sum[j];
       sm.publish(kXA, kBarLeft, nullptr, 0, sm.m0, sm.c0, rs, m0, c0, lane);  // m0, c0 to WG2
@@ -565,7 +565,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
         // P0 at m1: the P0 in pk (at m0) unless a row of the warp got a new max in the odd tile.
         if (__any_sync(0xffffffffu, c1[0] != 1.0f || c1[1] != 1.0f)) {
           float unused[2];
-          exp_scores<T>(s, m1, pk, unused);
+          exp_scores<T>(s, p.score_scale_log2, m1, pk, unused);
         }
       } else {
         m1[0] = m0[0];
@@ -660,7 +660,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
           c1[j] = rescale(m0[j], m[j]);
           c01[j] = c0[j] * c1[j];
         }
-        exp_scores<T>(s, m, pk, sum);
+        exp_scores<T>(s, p.score_scale_log2, m, pk, sum);
         sm.publish(kXB, kBarRight, &pk, 1, sm.m1, sm.c1, rs, m, c1, lane);  // P1, m1, c1 to WG1
 #pragma unroll
         for (int j = 0; j < 2; ++j) l[j] = l[j] * c01[j] + sum[j];
@@ -785,6 +785,9 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
   MLA_CHECK(rc == CUDA_SUCCESS, "mla_decode: cuTensorMapEncodeTiled failed for the kv_cache (error ",
             int(rc), ", ", params.num_pages, " pages of ", page_size, " tokens at ", params.kv_cache, ")");
 
+  // mask_scores takes each row's max before scaling: right only for a scale that is not negative.
+  MLA_CHECK(params.score_scale_log2 >= 0.0f, "mla_decode: the Hopper decode kernel needs a score scale >= 0, got ",
+            params.score_scale_log2, " (log2 domain)");
   const DeviceInfo& info = current_device_info();
   MLA_CHECK(size_t(SmemLayout::bytes) <= info.max_smem_per_block_optin,
             "mla_decode: the Hopper decode kernel needs ", SmemLayout::bytes,
