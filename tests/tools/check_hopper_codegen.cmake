@@ -1,9 +1,10 @@
 # Compiles the Hopper decode kernels' PTX with ptxas (no GPU needed) and fails when the code that
 # ptxas generates has lost what the kernel's speed rests on:
-#   - wgmma serialised: ptxas notes C7510 / C7520 ("wgmma.mma_async instructions are serialized"),
-#     emitted when, for example, the warps of a consumer warpgroup take different paths around a
-#     loop between two wgmma groups. Every wgmma then waits for the one before it; the kernel
-#     still computes the right answer, 30-40 % slower.
+#   - wgmma serialised: ptxas notes C7510 / C7515 / C7520 ("wgmma.mma_async instructions are
+#     serialized"), emitted when, for example, the warps of a consumer warpgroup take different
+#     paths around a loop between two wgmma groups (C7520), or a non-wgmma instruction defines an
+#     accumulator register inside a pipeline stage (C7515). Every wgmma then waits for the one
+#     before it; the kernel still computes the right answer, 30-40 % slower.
 #   - register spills: the kernel's register budget (setmaxnreg: producer 40, consumers 232, of the
 #     168 x 384 the CTA has) is exact; a spill means a change outgrew it.
 # Inputs: -DPTXAS=<ptxas> -DPTX=<file.ptx> -DARCH=sm_90a -DOUT=<scratch cubin>

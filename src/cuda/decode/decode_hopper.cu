@@ -28,11 +28,12 @@
 // barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
 //
 // Numerics match the portable kernel: fp32 scores in the exp2 domain, P rounded to the compute
-// dtype before P V, row sums of the rounded values, natural-log LSE; except that O[:, 256:512]
-// gets the even tile's P rounded at the pair's final max (a difference of at most one rounding
-// of the compute dtype against the row sum). Keys of the last tile past
-// the item's range are masked out of S and their V rows zeroed in shared memory before P V, so
-// NaN in unused cache slots never reaches the output.
+// dtype before P V, row sums of the rounded values, natural-log LSE; except that the scale goes
+// into exp2's FMA (exp2(fma(s, scale, -m)), one rounding fewer) and O[:, 256:512] gets the even
+// tile's P rounded at the pair's final max (a difference of at most one rounding of the compute
+// dtype against the row sum). Keys of the last tile past the item's range are masked out of S
+// and their V rows zeroed in shared memory before P V, so NaN in unused cache slots never
+// reaches the output.
 #include "cuda/decode/decode_hopper.hpp"
 
 #include <cuda.h>
