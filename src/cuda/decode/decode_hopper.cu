@@ -41,6 +41,7 @@
 #include <cuda_fp16.h>
 #include <cudaTypedefs.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "cuda/common/dependent_launch.cuh"
@@ -786,9 +787,11 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
   MLA_CHECK(rc == CUDA_SUCCESS, "mla_decode: cuTensorMapEncodeTiled failed for the kv_cache (error ",
             int(rc), ", ", params.num_pages, " pages of ", page_size, " tokens at ", params.kv_cache, ")");
 
-  // mask_scores takes each row's max before scaling: right only for a scale that is not negative.
-  MLA_CHECK(params.score_scale_log2 >= 0.0f, "mla_decode: the Hopper decode kernel needs a score scale >= 0, got ",
-            params.score_scale_log2, " (log2 domain)");
+  // mask_scores takes each row's max before scaling (right only for a positive scale), and a
+  // masked score (-inf) times a zero scale would be NaN inside exp2's FMA.
+  MLA_CHECK(params.score_scale_log2 > 0.0f && std::isfinite(params.score_scale_log2),
+            "mla_decode: the Hopper decode kernel needs a finite score scale > 0, got ", params.score_scale_log2,
+            " (log2 domain)");
   const DeviceInfo& info = current_device_info();
   MLA_CHECK(size_t(SmemLayout::bytes) <= info.max_smem_per_block_optin,
             "mla_decode: the Hopper decode kernel needs ", SmemLayout::bytes,
