@@ -90,10 +90,13 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 #endif
 }
 
-// Query rows per request at or below which kAuto keeps the portable kernel: the Hopper kernel
-// computes 64-row tiles, and with 16 rows (16 heads, one query) it measured 0-15 % slower on an
-// H200 (docs/perf-notes.md); from 32 rows on it is as fast or faster.
+// kAuto's choice. From 17 query rows a request on, the Hopper kernel. At 16 rows or fewer (16
+// heads, one query) it computes 64-row tiles for 16 and streams the cache faster (no L2 prefetch
+// there): on an H200 6-14 % faster than the portable kernel from a batch of 64 requests on,
+// slower for small batches, whose few tiles per CTA make them latency-bound
+// (docs/perf-notes.md).
 constexpr int64_t kHopperMinRows = 17;
+constexpr int64_t kHopperFewRowsMinBatch = 64;
 
 bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
   if (args.kernel == DecodeKernel::kPortable) return false;
@@ -104,7 +107,8 @@ bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
   if (args.kernel == DecodeKernel::kHopper) return true;
   const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;
   const int64_t max_q_len = args.cu_q_lens.empty() ? args.q_len : args.max_q_len;
-  return int64_t(max_q_len) * (q_main.ndim >= 2 ? q_main.shape[1] : 1) >= kHopperMinRows;
+  return int64_t(max_q_len) * (q_main.ndim >= 2 ? q_main.shape[1] : 1) >= kHopperMinRows ||
+         args.kv_lens.shape[0] >= kHopperFewRowsMinBatch;
 }
 
 }  // namespace

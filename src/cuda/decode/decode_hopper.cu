@@ -13,7 +13,8 @@
 // 256..511 (boxes 4-7), PE = dims 512..575 (box 8).
 //   WG0  producers: thread 0 loads the even tiles into stage 0 (groups L, R, PE in that order),
 //        thread 32 the odd tiles into stage 1 (R, L, PE): each group as soon as it is released,
-//        and the stage's next tile is prefetched to L2 right after.
+//        and, where the request's rows span several row tiles (so that other CTAs read the same
+//        keys), the stage's next tile is prefetched to L2 right after.
 //   WG1  owns O[:, 0:256] and the even tiles' scores; WG2 owns O[:, 256:512] and the odd ones'.
 //        The order within a pair is at run_left: each warpgroup issues the scores of its next
 //        tile before the pair's last waits; the row max goes WG1 -> WG2 (m0), the odd tile's P
@@ -148,6 +149,11 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
+    // The L2 prefetch pays only where other CTAs read the same tiles (the request's rows span
+    // several row tiles: 128 heads, or 64 with two queries): the second reader finds the tile in
+    // L2. A tile with one reader is read from DRAM once either way, and there the prefetch cost
+    // 13 % at 16 heads (B 128, kv 16k, docs/perf-notes.md).
+    const bool prefetch = r.g.q_len * p.layout.num_heads > hp.block_m;
     for (int t = stage; t < r.num_tiles; t += 2) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);
@@ -157,8 +163,9 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
         issue_group(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g]);
       }
       // The stage's next tile to L2, so that its load waits for L2 once the stage is released.
-      for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
-        prefetch_keys_l2(p, item.request, key0 + 2 * kBlockN + sub, hp.box_rows, r.kv_end);
+      if (prefetch)
+        for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
+          prefetch_keys_l2(p, item.request, key0 + 2 * kBlockN + sub, hp.box_rows, r.kv_end);
       phase ^= 1;
     }
   }
