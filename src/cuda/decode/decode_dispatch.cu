@@ -92,8 +92,9 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 
 // kAuto's choice. From 17 query rows a request on, the Hopper kernel. At 16 rows or fewer (16
 // heads, one query) it computes 64-row tiles for 16 and streams the cache faster (no L2 prefetch
-// there): on an H200 6-14 % faster than the portable kernel from a batch of 64 requests on,
-// slower for small batches, whose few tiles per CTA make them latency-bound
+// there). On an H200, against the portable kernel: 0-15 % faster from a batch of 64 requests
+// on (B 64 kv 4k -6 %, B 128 kv 16k -15 %, B 256 kv 4k -12 %, B 128 kv 1k -1 %), even at B 32,
+// 6-16 % slower below (B 16 kv 4k, B 1), where few tiles a CTA make the call latency-bound
 // (docs/perf-notes.md).
 constexpr int64_t kHopperMinRows = 17;
 constexpr int64_t kHopperFewRowsMinBatch = 64;
