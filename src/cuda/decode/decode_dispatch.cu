@@ -93,9 +93,9 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 // kAuto's choice. From 17 query rows a request on, the Hopper kernel. At 16 rows or fewer (16
 // heads, one query) it computes 64-row tiles for 16 and streams the cache faster (no L2 prefetch
 // there). On an H200, against the portable kernel: 0-15 % faster from a batch of 64 requests
-// on (B 64 kv 4k -6 %, B 128 kv 16k -15 %, B 256 kv 4k -12 %, B 128 kv 1k -1 %), even at B 32,
+// on (B 64 kv 4k -6 %, B 128 kv 16k -15 %, B 256 kv 4k -12 %, B 128 kv 1k -1 %), equal at B 32,
 // 6-16 % slower below (B 16 kv 4k, B 1), where few tiles a CTA make the call latency-bound
-// (docs/perf-notes.md).
+// (docs/perf-notes.md; measured at 16 heads, the same tiles as 1-8 heads).
 constexpr int64_t kHopperMinRows = 17;
 constexpr int64_t kHopperFewRowsMinBatch = 64;
 
