@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
 #pragma unroll 1
   for (int b = b_begin; b < b_end; ++b) {
     const RequestGeometry g = request_geometry(pp.layout, b);
-    const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
+    const int tiles = request_row_tiles(g, num_heads, block_m);
     for (int t = 0; t < units_of(tiles); ++t) {
       const int cost = unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks + kOverheadBlocks;
       my_cost += cost;
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
       const RequestGeometry g = request_geometry(pp.layout, b);
-      const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
+      const int tiles = request_row_tiles(g, num_heads, block_m);
       for (int t = 0; t < units_of(tiles); ++t) {
         const int nb = unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks;
         int pieces = 1;
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
       const RequestGeometry g = request_geometry(pp.layout, b);
-      const int tiles = (g.q_len * num_heads + block_m - 1) / block_m;
+      const int tiles = request_row_tiles(g, num_heads, block_m);
       for (int t = 0; t < units_of(tiles); ++t) {
         const UnitCost c = unit_cost(g, cost_tile(tiles, t), block_m, num_heads);
         const long long first = pos + kOverheadBlocks;
