@@ -128,6 +128,13 @@ struct MlaDecodeArgs {
   // mla/plan.hpp). Ignored on the CPU. When null on the GPU, the kernel runs without splitting.
   const DecodeSchedule* schedule = nullptr;
   DecodeKernel kernel = DecodeKernel::kAuto;  // GPU only
+  // GPU only, a debug mode: before launching, copy cu_q_lens, kv_lens and block_table to the
+  // host and check them as the CPU path always does (kv_lens within the block table, q_len_b
+  // <= max_q_len, page ids of the keys in use in [0, P)), throwing mla::Error that names the
+  // first bad value. Without it a bad value is not reported: the kernels clamp lengths and read
+  // a key on a page id outside [0, P) as zeros, never out of bounds. It synchronises the stream,
+  // so it is refused while the stream is being captured into a CUDA graph.
+  bool check_metadata = false;
 };
 void mla_decode(const MlaDecodeArgs& args, Stream stream = nullptr);
 // The kernel mla_decode runs for these arguments: "cpu", "sm80-mma" (portable) or "sm90-wgmma"

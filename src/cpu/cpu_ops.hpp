@@ -10,6 +10,11 @@ void append_latent_kv(const AppendLatentKvArgs& args);
 void build_block_table(const BuildBlockTableArgs& args);
 void rope_quantize(const RopeQuantizeArgs& args);
 void mla_decode(const MlaDecodeArgs& args);
+// Checks every data-dependent value of an mla_decode call as the kernels use it (cu_q_lens,
+// kv_lens, the page ids of the keys in use) and throws mla::Error naming the first bad one.
+// cu_q_lens, kv_lens and block_table must be readable on the host. The CPU mla_decode runs it
+// on every call; the GPU one when MlaDecodeArgs::check_metadata is set, on host copies.
+void check_decode_metadata(const MlaDecodeArgs& args, int64_t num_tokens);
 void mha_prefill(const MhaPrefillArgs& args);
 void merge_states(const MergeStatesArgs& args);
 }  // namespace mla::cpu

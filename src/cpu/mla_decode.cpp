@@ -185,4 +185,8 @@ void mla_decode(const MlaDecodeArgs& args) {
   DecodeRunner(args, read_requests(args, num_tokens)).run();
 }
 
+void check_decode_metadata(const MlaDecodeArgs& args, int64_t num_tokens) {
+  (void)read_requests(args, num_tokens);
+}
+
 }  // namespace mla::cpu

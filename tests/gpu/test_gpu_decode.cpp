@@ -1023,6 +1023,51 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
   MLA_TEST_CUDA(cudaDeviceSynchronize());
 }
 
+// MlaDecodeArgs::check_metadata: the lengths and page ids of a GPU call, checked on host copies
+// with the CPU path's messages; refused during graph capture. Without it the same bad page id is
+// not reported (the kernels read it as zeros).
+TEST(GpuDecodeErrors, CheckMetadataNamesTheFirstBadValue) {
+  MLA_REQUIRE_GPU();
+  DecodeCase c = fixed(16, 16, {20, 40, 7});  // request 1 uses blocks 0..2
+  DecodeData d = make_data(c);
+  const int32_t bad_page = int32_t(d.P + 5);
+  d.block_table.i32(1 * d.max_blocks + 2) = bad_page;
+  {
+    DeviceData dev(d);
+    MlaDecodeArgs a = dev.args(d);
+    a.check_metadata = true;
+    const std::string value = "= " + std::to_string(bad_page);
+    EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"block_table[1, 2]", value.c_str(), "request 1", "block 2"}));
+    // Nothing was launched: the LSE keeps its NaN.
+    ASSERT_NE(a.lse.data, nullptr);
+    float first = 0.0f;
+    MLA_TEST_CUDA(cudaMemcpy(&first, a.lse.data, sizeof(float), cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(std::isnan(first));
+    a.check_metadata = false;
+    EXPECT_NO_THROW(mla_decode(a));
+    MLA_TEST_CUDA(cudaDeviceSynchronize());
+  }
+  d.block_table.i32(1 * d.max_blocks + 2) = d.block_table.i32(0);  // a valid page again
+  d.kv_lens.i32(2) = int32_t(d.max_blocks * d.S + 1);
+  {
+    DeviceData dev(d);
+    MlaDecodeArgs a = dev.args(d);
+    a.check_metadata = true;
+    EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"kv_lens[2]", "must be in [0, "}));
+  }
+  d.kv_lens.i32(2) = 7;
+  {
+    DeviceData dev(d);
+    MlaDecodeArgs a = dev.args(d);
+    a.check_metadata = true;
+    EXPECT_NO_THROW(mla_decode(a));
+    const auto captured = run_in_cuda_graph([&](Stream s) { mla_decode(a, s); });
+    EXPECT_FALSE(captured);
+    EXPECT_NE(std::string(captured.message()).find("check_metadata"), std::string::npos) << captured.message();
+  }
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
+}
+
 TEST(GpuDecodeErrors, ScheduleMustFitTheCall) {
   MLA_REQUIRE_GPU();
   DecodeCase c = fixed(16, 16, {10, 20});

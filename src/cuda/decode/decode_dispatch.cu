@@ -10,7 +10,9 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "cpu/cpu_ops.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/cuda_ops.hpp"
 #include "cuda/decode/decode_launch.hpp"
@@ -114,6 +116,45 @@ bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
 
 }  // namespace
 
+namespace {
+
+// MlaDecodeArgs::check_metadata: the lengths and the block table copied to the host and checked
+// by the CPU path's checks (one set of rules and messages for both).
+void check_metadata_on_host(const MlaDecodeArgs& args, int64_t num_tokens, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MLA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  MLA_CHECK(capture == cudaStreamCaptureStatusNone,
+            "mla_decode: check_metadata copies the lengths and the block table to the host and waits "
+            "for them, which a stream being captured into a CUDA graph cannot do; capture without it");
+  const int64_t batch = args.block_table.shape[0];
+  const int64_t max_blocks = args.block_table.shape[1];
+  std::vector<int32_t> kv_lens(static_cast<size_t>(batch));
+  std::vector<int32_t> block_table(static_cast<size_t>(batch * max_blocks));
+  std::vector<int32_t> cu_q_lens(args.cu_q_lens.empty() ? 0 : static_cast<size_t>(batch + 1));
+  if (batch > 0) {
+    MLA_CUDA_CHECK(cudaMemcpyAsync(kv_lens.data(), args.kv_lens.data, size_t(batch) * 4, cudaMemcpyDeviceToHost,
+                                   stream));
+  }
+  if (!cu_q_lens.empty()) {
+    MLA_CUDA_CHECK(cudaMemcpyAsync(cu_q_lens.data(), args.cu_q_lens.data, cu_q_lens.size() * 4,
+                                   cudaMemcpyDeviceToHost, stream));
+  }
+  if (batch > 0 && max_blocks > 0) {
+    MLA_CUDA_CHECK(cudaMemcpy2DAsync(block_table.data(), size_t(max_blocks) * 4, args.block_table.data,
+                                     size_t(args.block_table.stride[0]) * 4, size_t(max_blocks) * 4,
+                                     size_t(batch), cudaMemcpyDeviceToHost, stream));
+  }
+  MLA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MlaDecodeArgs host = args;
+  host.kv_lens = TensorView::contiguous(kv_lens.data(), DType::kInt32, {batch}, Device::cpu());
+  host.block_table = TensorView::contiguous(block_table.data(), DType::kInt32, {batch, max_blocks}, Device::cpu());
+  if (!cu_q_lens.empty())
+    host.cu_q_lens = TensorView::contiguous(cu_q_lens.data(), DType::kInt32, {batch + 1}, Device::cpu());
+  cpu::check_decode_metadata(host, num_tokens);
+}
+
+}  // namespace
+
 const char* mla_decode_kernel_name(const MlaDecodeArgs& args) {
   return use_hopper(args, query_parts(args)) ? "sm90-wgmma" : "sm80-mma";
 }
@@ -129,6 +170,7 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
             batch, " requests exceed the GPU kernel's 32-bit indexing");
   MLA_CHECK(num_heads >= 1 && num_heads <= kMaxHeads, op, ": the GPU kernel supports 1 to ", kMaxHeads,
             " heads, got ", num_heads);
+  if (args.check_metadata) check_metadata_on_host(args, num_tokens, to_cuda(stream));
 
   // Compute dtype: the 16-bit dtype of the query or the cache; fp8 operands are converted to it.
   const DType q_dtype = q_main.dtype;
