@@ -114,10 +114,6 @@ bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
          args.kv_lens.shape[0] >= kHopperFewRowsMinBatch;
 }
 
-}  // namespace
-
-namespace {
-
 // MlaDecodeArgs::check_metadata: the lengths and the block table copied to the host and checked
 // by the CPU path's checks (one set of rules and messages for both).
 void check_metadata_on_host(const MlaDecodeArgs& args, int64_t num_tokens, cudaStream_t stream) {
