@@ -89,6 +89,8 @@ def main():
                     record(best, ci, r["kernel"], tag, r["time_us"], verified)
                     if r.get("plan_us") is not None:  # the plan's time, carried by every row
                         record(best, ci, "plan_decode", tag, r["plan_us"], True)
+                    if r.get("graph_us") is not None:  # the same call replayed from a CUDA graph
+                        record(best, ci, r["kernel"] + " (graph)", tag, r["graph_us"], verified)
 
     base = tags[0]
     for (ci, kernel), by_tag in sorted(best.items()):

@@ -141,6 +141,7 @@ struct Measurement {
   HostBuffer out;      // the kernel's output, copied to the host
   bool is_baseline = false;
   std::optional<double> plan_us;  // median time of plan_decode for this case (scheduled variants)
+  std::optional<double> graph_us; // median time of the same call replayed from a CUDA graph
 };
 
 struct Ceilings {

@@ -290,6 +290,7 @@ class GpuRunner final : public Runner {
       seen.push_back(m.kernel);
       m.time_us = time_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
       if (v.schedule) m.plan_us = plan_us;
+      m.graph_us = graph_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
       m.out = download(out, p.out_dtype, out_shape);
       results.push_back(std::move(m));
     }
@@ -421,6 +422,36 @@ class GpuRunner final : public Runner {
       times.push_back(double(ms) * 1e3);
     }
     return median(std::move(times));
+  }
+
+  // fn() captured once into a CUDA graph on stream_, then the graph replayed as time_median_us
+  // runs fn: the same work without the host's launch gaps (how an engine replays a decode step).
+  template <typename Fn>
+  double graph_median_us(int warmup, int iters, Fn&& fn) {
+    MLA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cudaGraph_t graph = nullptr;
+    MLA_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      fn();
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    MLA_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    MLA_CUDA_CHECK(instantiated);
+    double us = 0;
+    try {
+      us = time_median_us(warmup, iters, [&] { MLA_CUDA_CHECK(cudaGraphLaunch(exec, stream_)); });
+    } catch (...) {
+      cudaGraphExecDestroy(exec);
+      throw;
+    }
+    MLA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    return us;
   }
 
   // A 8192^3 bf16 GEMM (fp32 accumulate) on random data: the card's matrix-math ceiling.

@@ -100,6 +100,7 @@ void print_row(std::FILE* f, const Row& row, bool with_ceilings) {
                  optional_cell(row.speedup_vs_naive, "%.2fx").c_str());
   std::fprintf(f, " %11.2e", row.max_rel_err);
   if (row.plan_us) std::fprintf(f, "  (plan %.1f us)", *row.plan_us);
+  if (row.graph_us) std::fprintf(f, "  (graph %.1f us)", *row.graph_us);
   std::fprintf(f, "%s\n", row.verified ? "" : "  FAILED verification");
   std::fflush(f);
 }
@@ -141,6 +142,7 @@ void write_json(const std::string& path, const Report& r) {
     os << ", \"frac_copy\": " << json_number(row.frac_copy);
     os << ", \"speedup_vs_naive\": " << json_number(row.speedup_vs_naive);
     os << ", \"plan_us\": " << json_number(row.plan_us);
+    os << ", \"graph_us\": " << json_number(row.graph_us);
     os << ", \"max_rel_err\": " << (ran ? json_number(row.max_rel_err) : "null");
     os << ", \"tolerance\": " << json_number(row.tolerance);
     os << ", \"rows_checked\": " << row.rows_checked;
