@@ -142,6 +142,7 @@ struct Measurement {
   bool is_baseline = false;
   std::optional<double> plan_us;  // median time of plan_decode for this case (scheduled variants)
   std::optional<double> graph_us; // median time of the same call replayed from a CUDA graph
+  std::optional<double> plan_graph_us;  // plan_decode replayed from a CUDA graph, median
 };
 
 struct Ceilings {

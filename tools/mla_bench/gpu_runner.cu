@@ -256,6 +256,9 @@ class GpuRunner final : public Runner {
     const double plan_us = time_median_us(warmup, iters, [&] {
       plan_decode(schedule, kv_lens_view, TensorView{}, c.q_len, c.q_len, stream_);
     });
+    const double plan_graph_us = graph_median_us(warmup, iters, [&] {
+      plan_decode(schedule, kv_lens_view, TensorView{}, c.q_len, c.q_len, stream_);
+    });
     // Kernels: the portable one and the Hopper one (where it applies), each with the schedule;
     // then the one mla_decode picks without a schedule. mla_decode_kernel_name throws for a
     // kernel that does not apply to the case or the card.
@@ -289,7 +292,10 @@ class GpuRunner final : public Runner {
       if (std::find(seen.begin(), seen.end(), m.kernel) != seen.end()) continue;
       seen.push_back(m.kernel);
       m.time_us = time_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
-      if (v.schedule) m.plan_us = plan_us;
+      if (v.schedule) {
+        m.plan_us = plan_us;
+        m.plan_graph_us = plan_graph_us;
+      }
       m.graph_us = graph_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
       m.out = download(out, p.out_dtype, out_shape);
       results.push_back(std::move(m));

@@ -229,6 +229,7 @@ std::vector<Row> run_case(Runner& runner, const BenchCase& c, int warmup, int it
     row.time_us = m.time_us;
     row.plan_us = m.plan_us;
     row.graph_us = m.graph_us;
+    row.plan_graph_us = m.plan_graph_us;
     row.tflops = work.flops / (m.time_us * 1e-6) / 1e12;
     row.gbps = work.bytes / (m.time_us * 1e-6) / 1e9;
     if (ceilings) {

@@ -143,6 +143,7 @@ void write_json(const std::string& path, const Report& r) {
     os << ", \"speedup_vs_naive\": " << json_number(row.speedup_vs_naive);
     os << ", \"plan_us\": " << json_number(row.plan_us);
     os << ", \"graph_us\": " << json_number(row.graph_us);
+    os << ", \"plan_graph_us\": " << json_number(row.plan_graph_us);
     os << ", \"max_rel_err\": " << (ran ? json_number(row.max_rel_err) : "null");
     os << ", \"tolerance\": " << json_number(row.tolerance);
     os << ", \"rows_checked\": " << row.rows_checked;

@@ -21,6 +21,7 @@ struct Row {
   std::optional<double> speedup_vs_naive;  // naive time / this kernel's time
   std::optional<double> plan_us;           // plan_decode, median (not part of time_us)
   std::optional<double> graph_us;          // the timed call replayed from a CUDA graph, median
+  std::optional<double> plan_graph_us;     // plan_decode replayed from a CUDA graph, median
   double max_rel_err = 0;
   double tolerance = 0;
   int64_t rows_checked = 0;
