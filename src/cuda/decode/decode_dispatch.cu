@@ -124,22 +124,21 @@ void check_metadata_on_host(const MlaDecodeArgs& args, int64_t num_tokens, cudaS
             "for them, which a stream being captured into a CUDA graph cannot do; capture without it");
   const int64_t batch = args.block_table.shape[0];
   const int64_t max_blocks = args.block_table.shape[1];
-  std::vector<int32_t> kv_lens(static_cast<size_t>(batch));
-  std::vector<int32_t> block_table(static_cast<size_t>(batch * max_blocks));
-  std::vector<int32_t> cu_q_lens(args.cu_q_lens.empty() ? 0 : static_cast<size_t>(batch + 1));
-  if (batch > 0) {
-    MLA_CUDA_CHECK(cudaMemcpyAsync(kv_lens.data(), args.kv_lens.data, size_t(batch) * 4, cudaMemcpyDeviceToHost,
-                                   stream));
-  }
-  if (!cu_q_lens.empty()) {
-    MLA_CUDA_CHECK(cudaMemcpyAsync(cu_q_lens.data(), args.cu_q_lens.data, cu_q_lens.size() * 4,
-                                   cudaMemcpyDeviceToHost, stream));
-  }
-  if (batch > 0 && max_blocks > 0) {
-    MLA_CUDA_CHECK(cudaMemcpy2DAsync(block_table.data(), size_t(max_blocks) * 4, args.block_table.data,
-                                     size_t(args.block_table.stride[0]) * 4, size_t(max_blocks) * 4,
-                                     size_t(batch), cudaMemcpyDeviceToHost, stream));
-  }
+  // rows x cols int32 values, rows src_pitch elements apart (kv_lens and cu_q_lens are
+  // contiguous, block_table inner-contiguous: checked before), into a packed host copy.
+  auto to_host = [stream](const TensorView& src, int64_t rows, int64_t cols, int64_t src_pitch) {
+    std::vector<int32_t> dst(static_cast<size_t>(rows * cols));
+    if (!dst.empty()) {
+      MLA_CUDA_CHECK(cudaMemcpy2DAsync(dst.data(), size_t(cols) * sizeof(int32_t), src.data,
+                                       size_t(src_pitch) * sizeof(int32_t), size_t(cols) * sizeof(int32_t),
+                                       size_t(rows), cudaMemcpyDeviceToHost, stream));
+    }
+    return dst;
+  };
+  std::vector<int32_t> kv_lens = to_host(args.kv_lens, 1, batch, batch);
+  std::vector<int32_t> block_table = to_host(args.block_table, batch, max_blocks, args.block_table.stride[0]);
+  std::vector<int32_t> cu_q_lens = args.cu_q_lens.empty() ? std::vector<int32_t>{}
+                                                          : to_host(args.cu_q_lens, 1, batch + 1, batch + 1);
   MLA_CUDA_CHECK(cudaStreamSynchronize(stream));
   MlaDecodeArgs host = args;
   host.kv_lens = TensorView::contiguous(kv_lens.data(), DType::kInt32, {batch}, Device::cpu());

@@ -153,7 +153,7 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
     // several row tiles: 128 heads, or 64 with two queries): the second reader finds the tile in
     // L2. A tile with one reader is read from DRAM once either way, and there the prefetch cost
     // 13 % at 16 heads (B 128, kv 16k, docs/perf-notes.md).
-    const bool prefetch = request_row_tiles(r.g, p.layout.num_heads, hp.block_m) > 1;
+    const bool prefetch = row_tiles(r.g.q_len, p.layout.num_heads, hp.block_m) > 1;
     for (int t = stage; t < r.num_tiles; t += 2) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);

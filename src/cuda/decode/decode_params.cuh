@@ -132,10 +132,11 @@ __host__ __device__ inline RequestGeometry request_geometry(const BatchLayout& l
   return g;
 }
 
-// Row tiles of block_m rows that a request's q_len x num_heads rows fill (0 for no queries).
-// More than one: other CTAs read the same keys (the plan's units; the Hopper kernel's L2 prefetch).
-__host__ __device__ inline int request_row_tiles(const RequestGeometry& g, int num_heads, int block_m) {
-  return (g.q_len * num_heads + block_m - 1) / block_m;
+// Row tiles of block_m rows that q_len x num_heads query rows fill (0 for no queries). More
+// than one for a request: other CTAs read the same keys (the plan's units and lanes; the Hopper
+// kernel's L2 prefetch).
+__host__ __device__ inline int row_tiles(int q_len, int num_heads, int block_m) {
+  return (q_len * num_heads + block_m - 1) / block_m;
 }
 
 // Keys visible to any row of a row tile whose last row is row_end - 1 (row_end >= 1): the causal

@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   // Lanes (decode_params.cuh): with several row tiles per request, plan whole requests over
   // num_parts / lanes virtual parts; each unit is then costed by its last row tile (the one that
   // sees the most keys) and run by `lanes` CTAs side by side.
-  const int tiles_max = (pp.layout.max_q_len * num_heads + block_m - 1) / block_m;
+  const int tiles_max = row_tiles(pp.layout.max_q_len, num_heads, block_m);
   const int lanes = tiles_max >= 2 && tiles_max <= pp.num_parts ? tiles_max : 1;
   const int parts = pp.num_parts / lanes;
   // Units of a request with `tiles` row tiles, and the row tile that costs unit t.
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
 #pragma unroll 1
   for (int b = b_begin; b < b_end; ++b) {
     const RequestGeometry g = request_geometry(pp.layout, b);
-    const int tiles = request_row_tiles(g, num_heads, block_m);
+    const int tiles = row_tiles(g.q_len, num_heads, block_m);
     for (int t = 0; t < units_of(tiles); ++t) {
       const int cost = unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks + kOverheadBlocks;
       my_cost += cost;
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
       const RequestGeometry g = request_geometry(pp.layout, b);
-      const int tiles = request_row_tiles(g, num_heads, block_m);
+      const int tiles = row_tiles(g.q_len, num_heads, block_m);
       for (int t = 0; t < units_of(tiles); ++t) {
         const int nb = unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks;
         int pieces = 1;
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
       const RequestGeometry g = request_geometry(pp.layout, b);
-      const int tiles = request_row_tiles(g, num_heads, block_m);
+      const int tiles = row_tiles(g.q_len, num_heads, block_m);
       for (int t = 0; t < units_of(tiles); ++t) {
         const UnitCost c = unit_cost(g, cost_tile(tiles, t), block_m, num_heads);
         const long long first = pos + kOverheadBlocks;
