@@ -33,7 +33,10 @@ std::vector<T> read_at(const HostTensor& h, size_t offset, size_t count) {
 
 // Plans kv_lens (q_len queries per request) and checks the schedule's structure. With q_len 1
 // every row tile sees all kv_len keys, so the pieces of each unit must tile [0, kv_len) exactly.
-void check_plan(const std::vector<int>& kv_lens, int heads, int q_len, int num_parts) {
+// With `pieces_each` > 0 (a batch of equal requests) every unit must be cut into that many
+// pieces, and no CTA may run more than one item.
+void check_plan(const std::vector<int>& kv_lens, int heads, int q_len, int num_parts,
+                int pieces_each = 0) {
   SCOPED_TRACE("batch " + std::to_string(kv_lens.size()) + ", heads " + std::to_string(heads) +
                ", q_len " + std::to_string(q_len) + ", num_parts " + std::to_string(num_parts));
   const int batch = int(kv_lens.size());
@@ -93,7 +96,10 @@ void check_plan(const std::vector<int>& kv_lens, int heads, int q_len, int num_p
       EXPECT_EQ(w.slot < 0, pieces.size() == 1);
     }
     if (q_len == 1) EXPECT_EQ(pieces.back().kv_end, kv_lens[size_t(key.first)]);
+    if (pieces_each > 0) EXPECT_EQ(pieces.size(), size_t(pieces_each));
   }
+  if (pieces_each > 0)
+    for (int p = 0; p < parts; ++p) EXPECT_LE(begin[size_t(p) + 1] - begin[size_t(p)], 1) << "part " << p;
 }
 
 TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
@@ -116,6 +122,22 @@ TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
       check_plan(lengths(5, 70000, 3), heads, 3, num_parts);
     }
   }
+}
+
+// A batch of equal requests: each is cut into the same number of pieces, one CTA each, where a
+// cost line cut at multiples of the payload would let some units fall across three CTAs and some
+// CTAs run the tail of one unit and the head of the next. Pieces a unit = ceil(blocks / payload),
+// payload = ceil(units x (blocks + 1) / parts), 1 being the fixed cost of a unit in key blocks.
+TEST(GpuDecodeSchedule, EqualRequestsGetEqualPieces) {
+  MLA_REQUIRE_GPU();
+  check_plan(std::vector<int>(16, 4096), 16, 1, 132, 8);    // payload 8: 8 pieces of 8 blocks
+  check_plan(std::vector<int>(16, 1024), 16, 1, 132, 6);    // payload 3: 6 pieces of 3 (the last 1)
+  check_plan(std::vector<int>(64, 4096), 16, 1, 132, 2);    // payload 32: halves
+  check_plan(std::vector<int>(32, 2048), 16, 1, 132, 4);    // payload 8
+  check_plan(std::vector<int>(1, 16384), 128, 1, 132, 64);  // 66 parts a lane: 64 pieces of 4
+  check_plan(std::vector<int>(16, 1024), 128, 2, 132, 2);   // four lanes, 33 parts: payload 9
+  check_plan(std::vector<int>(16, 1000), 16, 1, 132, 6);    // a partial last block
+  check_plan(std::vector<int>(7, 333), 16, 1, 7, 1);        // one unit a CTA, unsplit
 }
 
 }  // namespace

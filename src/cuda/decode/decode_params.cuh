@@ -25,10 +25,11 @@ constexpr int kMaxBlockM = 64;  // the largest row tile; partial slots are sized
 // write) worth kOverheadBlocks blocks, and no CTA is given less than kMinBlocksPerPart blocks.
 // A short request is spread as thin as one block a CTA: on the H200, a minimum of 4 left one
 // 4k-key request (16 heads) on 17 CTAs of 4 serial tiles and took 30 us; with 1, 23 us.
-// A fixed cost of 1 block is 5-13 % faster on some split rows (16 heads at B 16-32 kv 2-4k and
-// 128 heads at batch 1 on the portable kernel) and 2-13 % slower on others (kv 1k at B 16-64):
-// units of 17 blocks no longer line up with a payload of 9. 4 and 8 are slower still.
-constexpr int kOverheadBlocks = 2;
+// A fixed cost of 1 block is 5-13 % faster than 2 on some split rows (16 heads at B 16-32 kv
+// 2-4k and 128 heads at batch 1 on the portable kernel); the rows where it was slower (kv 1k at
+// B 16-64: units of 17 blocks against a payload of 9) are batches of equal units, which the plan
+// now cuts into equal pieces whatever the cost (decode_schedule.cu). 4 and 8 are slower still.
+constexpr int kOverheadBlocks = 1;
 constexpr int kMinBlocksPerPart = 1;
 // A cut inside a unit's fixed cost would give the piece after it a negative key range: no cut
 // falls strictly inside a cost of one block, and unit_span moves at most one cut to the unit's

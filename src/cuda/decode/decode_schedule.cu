@@ -21,6 +21,9 @@
 //     smaller than the fixed cost it adds. Moving a cut only ever affects the one unit it falls
 //     in, so every thread decides its units' pieces independently and the CTAs' item lists stay
 //     in order.
+//   * when every unit costs the same (a batch of equal requests) and k pieces a unit fit on the
+//     parts, each unit is cut into k equal pieces that start at cuts (k = the pieces a unit
+//     would take at the payload): one item a CTA, no piece cut short by where the unit fell.
 //
 // Capacity (why the workspace sizes are bounds): units <= max_batch * ceil(max_q_len * H / 16);
 // each of the num_parts - 1 cuts adds at most one item, so items <= units + num_parts; split
@@ -181,6 +184,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   __shared__ long long scan64[33];
   __shared__ Counts scan_counts[33];
   __shared__ int max_unit_cost;
+  __shared__ int min_unit_cost;
   __shared__ SplitPieces long_units[kLongUnitQueue];
   __shared__ int num_long_units;
   __shared__ int max_pieces;
@@ -205,11 +209,12 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   // Pass 1: cost of this thread's units, and the largest unit.
   if (tid == 0) {
     max_unit_cost = 0;
+    min_unit_cost = INT_MAX;
     num_long_units = 0;
     max_pieces = 1;
   }
   long long my_cost = 0;
-  int my_max = 0;
+  int my_max = 0, my_min = INT_MAX;
 #pragma unroll 1
   for (int b = b_begin; b < b_end; ++b) {
     const RequestGeometry g = request_geometry(pp.layout, b);
@@ -218,10 +223,12 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
       const int cost = unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks + kOverheadBlocks;
       my_cost += cost;
       my_max = max(my_max, cost);
+      my_min = min(my_min, cost);
     }
   }
   __syncthreads();
   atomicMax(&max_unit_cost, my_max);
+  if (my_min != INT_MAX) atomicMin(&min_unit_cost, my_min);
   long long total_cost = 0;
   const long long cost_base = block_exclusive_scan(my_cost, 0LL, Plus{}, scan64, total_cost);
   const long long even = div_pos(total_cost + parts - 1, parts);
@@ -235,14 +242,40 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   const bool whole_fits = k_units <= 1 ? 4LL * max_unit_cost <= 5LL * even
                                        : 4LL * (whole - even) <= max_unit_cost;
   if (whole_fits && whole > payload) payload = whole;
-  const long long snap = payload / 8 > kOverheadBlocks ? payload / 8 : kOverheadBlocks;
+  long long snap = payload / 8 > kOverheadBlocks ? payload / 8 : kOverheadBlocks;
+  // Equal units (every request the same length): each is cut into the same number of pieces,
+  // k = ceil(blocks / payload), of ceil(blocks / k) blocks, each piece a CTA of its own. On the
+  // line above the cuts fall wherever the units do: units of 17 cost blocks on a payload of 9
+  // mostly take three pieces, and a CTA whose share straddles two units runs two items. Here the
+  // line is laid out again with each unit padded to k pieces and no fixed cost on it, so that
+  // every unit starts at a cut (lead = 0, advance = k * pieces, snap = 0). Only when the n * k
+  // pieces fit on the parts; else the line stays as it is.
+  long long lead = kOverheadBlocks;  // line cost before a unit's first key block
+  long long equal_advance = 0;       // line cost of a unit in equal mode (0: the line above)
+  const int unit_total = max_unit_cost;
+  if (unit_total == min_unit_cost && unit_total > kOverheadBlocks) {
+    const long long blocks = unit_total - kOverheadBlocks;
+    const long long n = div_pos(total_cost, unit_total);
+    const long long k = div_pos(blocks + payload - 1, payload);
+    if (n * k <= parts) {
+      payload = div_pos(blocks + k - 1, k);
+      snap = 0;
+      lead = 0;
+      equal_advance = k * payload;
+    }
+  }
+  // A unit's line position: after the units before it, and how far it moves the line.
+  auto line_base = [&](long long cost_before) {
+    return equal_advance > 0 ? div_pos(cost_before, unit_total) * equal_advance : cost_before;
+  };
+  auto advance = [&](int blocks) { return equal_advance > 0 ? equal_advance : blocks + kOverheadBlocks; };
 
   // Pass 2: items, split units and slots of this thread's units.
   int my_items = 0, my_splits = 0, my_slots = 0;
   int my_last_part = -1;  // part of this thread's last item
   int my_max_pieces = 1;
   {
-    long long pos = cost_base;
+    long long pos = line_base(cost_base);
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
       const RequestGeometry g = request_geometry(pp.layout, b);
@@ -251,7 +284,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
         const int nb = unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks;
         int pieces = 1;
         if (nb > 0) {
-          const UnitSpan span = unit_span(pos, pos + kOverheadBlocks + nb, payload, snap, parts);
+          const UnitSpan span = unit_span(pos, pos + lead + nb, payload, snap, parts);
           pieces = span.part_last - span.part_first + 1;
           my_last_part = span.part_last;
         } else {
@@ -263,7 +296,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
           my_slots += pieces;
           my_max_pieces = max(my_max_pieces, pieces);
         }
-        pos += nb + kOverheadBlocks;
+        pos += advance(nb);
       }
     }
   }
@@ -289,7 +322,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
 
   // Pass 3: write the items and split units.
   {
-    long long pos = cost_base;
+    long long pos = line_base(cost_base);
     int item = item_base, split = split_base, slot = slot_base;
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
@@ -297,7 +330,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
       const int tiles = row_tiles(g.q_len, num_heads, block_m);
       for (int t = 0; t < units_of(tiles); ++t) {
         const UnitCost c = unit_cost(g, cost_tile(tiles, t), block_m, num_heads);
-        const long long first = pos + kOverheadBlocks;
+        const long long first = pos + lead;
         if (c.blocks == 0) {
           const int part = part_of(pos, payload, parts);
           if (item < pp.max_items) pp.items[item] = WorkItem{b, t, 0, 0, -1, part, 0, 0};
@@ -332,7 +365,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
             slot += pieces;
           }
         }
-        pos += c.blocks + kOverheadBlocks;
+        pos += advance(c.blocks);
       }
     }
   }
