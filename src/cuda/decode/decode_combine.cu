@@ -11,16 +11,20 @@
 // piece count: warp j of a row sums pieces j, j + W, ... (4 pieces per step, so 16 independent
 // 16-byte loads per lane are in flight), each lane owning 16 of the 512 columns, and the W
 // partial sums meet in shared memory, where warp j sums and stores column groups j, j + W, ...
-// The row's LSE takes one pass over the pieces' LSEs (running max and sum together). A request
-// split over ~130 CTAs costs ~6 memory round trips; a large batch of units in two or three
-// pieces gives each row one warp and two round trips.
+// The row's LSE takes one pass over the pieces' LSEs (running max and sum together), with the
+// warp's first step of pieces in flight alongside. What the plan wrote (header, split units) and
+// the batch layout are read before the wait for the decode kernel. After the wait, a large
+// batch of units in two or three pieces gives each row one warp and one round trip; a request
+// split over ~130 CTAs, four.
 //
 // Version history: v1 one warp per row, one piece per step (latency-bound: ~45 us for one 32k
 // request with 16 heads on an H200); v2 four warps per row, four pieces per step, two passes for
 // the LSE, one CTA per (split unit, row pair) in a fixed grid of mostly idle CTAs; v3 W warps
 // per row from the plan's largest piece count, one LSE pass, grid-stride over the rows; v4 the
 // LSEs of up to 128 pieces in one round trip, and the row's warps share the final sum and the
-// stores (code 32 -> 16 KB: this kernel runs once per decode call, from a cold instruction cache).
+// stores (code 32 -> 16 KB: this kernel runs once per decode call, from a cold instruction cache);
+// v5 the header, split unit and request of the first job read before the wait, and the first
+// step's pieces loaded with the LSEs (three round trips fewer after the decode kernel ends).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -54,45 +58,71 @@ __device__ __forceinline__ void merge_lse(float& max_a, float& sum_a, float max_
   max_a = m;
 }
 
-// Sum over the split unit's pieces of exp(lse_k - lse) * out_k for columns 4 (lane + 32 i) of
-// this warp's pieces j, j + stride, ... (stride: the row's warps)
-__device__ __forceinline__ void sum_pieces(const float4* base, const float* lse_k, int n, int j,
-                                           int stride, int lane, float lse, float4 (&acc)[4]) {
+// One step of a warp over its pieces k, k + stride, ..., k + (kUnroll - 1) stride of a split
+// unit (stride: the row's warps): their LSEs and their columns 4 (lane + 32 i), all loads in
+// flight at once; a piece past n reads as empty (LSE -inf, zeros).
+struct PieceStep {
+  float lse[kUnroll];
+  float4 v[kUnroll][4];
+};
+__device__ __forceinline__ void load_step(const float4* base, const float* lse_k, int n, int k,
+                                          int stride, int lane, PieceStep& st) {
   constexpr int64_t kSlotStride4 = int64_t(kMaxBlockM) * kValueDim / 4;  // float4 per slot
-  int k = j;
-  for (; k + (kUnroll - 1) * stride < n; k += kUnroll * stride) {
-    float w[kUnroll];
-    float4 v[kUnroll][4];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int piece = k + u * stride;
-      w[u] = lse_k[int64_t(piece) * kMaxBlockM];
+  for (int u = 0; u < kUnroll; ++u) {
+    const int piece = k + u * stride;
+    const bool in = piece < n;
+    st.lse[u] = in ? lse_k[int64_t(piece) * kMaxBlockM] : -INFINITY;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[u][i] = base[piece * kSlotStride4 + lane + 32 * i];
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const float wu = expf(w[u] - lse);  // 0 for an empty piece
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        acc[i].x += wu * v[u][i].x;
-        acc[i].y += wu * v[u][i].y;
-        acc[i].z += wu * v[u][i].z;
-        acc[i].w += wu * v[u][i].w;
-      }
-    }
+    for (int i = 0; i < 4; ++i)
+      st.v[u][i] = in ? base[piece * kSlotStride4 + lane + 32 * i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
-  for (; k < n; k += stride) {
-    const float wu = expf(lse_k[int64_t(k) * kMaxBlockM] - lse);
+}
+// acc += exp(lse_k - lse) * out_k over the step's pieces (weight 0 for an empty piece).
+__device__ __forceinline__ void add_step(const PieceStep& st, float lse, float4 (&acc)[4]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const float wu = expf(st.lse[u] - lse);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float4 v = base[k * kSlotStride4 + lane + 32 * i];
-      acc[i].x += wu * v.x;
-      acc[i].y += wu * v.y;
-      acc[i].z += wu * v.z;
-      acc[i].w += wu * v.w;
+      acc[i].x += wu * st.v[u][i].x;
+      acc[i].y += wu * st.v[u][i].y;
+      acc[i].z += wu * st.v[u][i].z;
+      acc[i].w += wu * st.v[u][i].w;
     }
   }
+}
+
+// The row a warp combines in one job: its split unit (the lane's row tile and slots), request
+// and row. Read from the plan's arrays and the batch layout, none of which the decode kernel
+// writes.
+struct JobRow {
+  SplitUnit unit;
+  RequestGeometry g;
+  int r;          // row of the request (query x head)
+  int row_local;  // row of the row tile
+  bool valid;
+};
+__device__ __forceinline__ JobRow job_row(const DecodeParams& p, int gr, int rows, int block_m, int lanes,
+                                          int num_slots) {
+  // Row gr: split unit x lane u = gr / block_m (unit u / lanes, row tile u % lanes with its
+  // slots offset by the lane), row row_local of the tile.
+  JobRow jr{};
+  const int u = gr / block_m;
+  jr.row_local = gr - u * block_m;
+  jr.valid = gr < rows;
+  if (jr.valid) {
+    jr.unit = p.schedule.split_units[u / lanes];
+    if (lanes > 1) {
+      const int tile_lane = u % lanes;
+      jr.unit.row_tile = tile_lane;
+      jr.unit.slot_begin += tile_lane * num_slots;
+    }
+    jr.g = request_geometry(p.layout, jr.unit.request);
+    jr.r = jr.unit.row_tile * block_m + jr.row_local;
+    jr.valid = jr.r < jr.g.q_len * p.layout.num_heads;  // same for a row's warps
+  }
+  return jr;
 }
 
 __device__ __forceinline__ void store_out4(const DecodeParams& p, void* row_base, int col,
@@ -143,42 +173,40 @@ __device__ __forceinline__ void store_out4(const DecodeParams& p, void* row_base
 __global__ void __launch_bounds__(kThreadsPerCta)
     mla_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ float4 partial[kWarps][32][4];  // per warp: its lanes' 16 columns
-  wait_for_prior_grids();  // the decode kernel's partial results are written
+  // The plan's header and the first job's row are read before the wait: the plan finished before
+  // the decode kernel's CTAs passed their own wait, and they allow this grid to start only after
+  // that, so these reads overlap the decode kernel's tail instead of following it. Only what the
+  // decode kernel writes (partial LSEs and outputs) is read after the wait; every CTA waits, so
+  // that this grid completes only after the decode kernel has.
   const ScheduleHeader& header = *p.schedule.header;
-  const int block_m = header.block_m;
-  const int rows = header.num_split_units * header.lanes * block_m;
+  const int block_m = header.block_m, lanes = header.lanes, num_slots = header.num_slots;
+  const int rows = header.num_split_units * lanes * block_m;
   const int w = warps_per_row(header.max_pieces);
   const int rows_per_job = kWarps / w;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int j = warp % w;  // this warp's place among its row's warps
   const int num_heads = p.layout.num_heads;
-  for (int job = int(blockIdx.x); job * rows_per_job < rows; job += int(gridDim.x)) {
-    // Row gr: split unit x lane u = gr / block_m (unit u / lanes, row tile u % lanes with its
-    // slots offset by the lane), row row_local of the tile.
-    const int gr = job * rows_per_job + warp / w;
-    const int u = gr / block_m, row_local = gr - u * block_m;
-    bool valid = gr < rows;
-    SplitUnit unit{};
-    RequestGeometry g{};
-    int r = 0;
-    if (valid) {
-      unit = p.schedule.split_units[u / header.lanes];
-      if (header.lanes > 1) {
-        const int tile_lane = u % header.lanes;
-        unit.row_tile = tile_lane;
-        unit.slot_begin += tile_lane * header.num_slots;
-      }
-      g = request_geometry(p.layout, unit.request);
-      r = unit.row_tile * block_m + row_local;
-      valid = r < g.q_len * num_heads;  // same for a row's warps
-    }
+  const int first_job = int(blockIdx.x);
+  JobRow jr = job_row(p, first_job * rows_per_job + warp / w, rows, block_m, lanes, num_slots);
+  wait_for_prior_grids();  // the decode kernel's partial results are written
+  for (int job = first_job; job * rows_per_job < rows; job += int(gridDim.x)) {
+    if (job != first_job) jr = job_row(p, job * rows_per_job + warp / w, rows, block_m, lanes, num_slots);
+    const bool valid = jr.valid;
+    const RequestGeometry& g = jr.g;
+    const int r = jr.r, row_local = jr.row_local;
     float4 acc[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float lse = -INFINITY;
     if (valid) {
-      const int n = unit.num_pieces;
-      const float* lse_k = p.schedule.partial_lse + int64_t(unit.slot_begin) * kMaxBlockM + row_local;
+      const int n = jr.unit.num_pieces;
+      const float* lse_k = p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local;
+      const float4* base = reinterpret_cast<const float4*>(
+          p.schedule.partial_out + (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
+      // The warp's first step of pieces, in flight together with the LSE loads below: their
+      // addresses do not depend on the row's LSE, only their weights do.
+      PieceStep st;
+      load_step(base, lse_k, n, j, w, lane, st);
       float lse_max = -INFINITY, lse_sum = 0.0f;
       for (int k0 = 0; k0 < n; k0 += 4 * 32) {  // up to 128 pieces a round trip
         float v[4];
@@ -198,9 +226,12 @@ __global__ void __launch_bounds__(kThreadsPerCta)
       }
       if (lse_max != -INFINITY) {
         lse = lse_max + logf(lse_sum);
-        const float4* base = reinterpret_cast<const float4*>(
-            p.schedule.partial_out + (int64_t(unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
-        sum_pieces(base, lse_k, n, j, w, lane, lse, acc);
+        add_step(st, lse, acc);
+#pragma unroll 1
+        for (int k = j + kUnroll * w; k < n; k += kUnroll * w) {
+          load_step(base, lse_k, n, k, w, lane, st);
+          add_step(st, lse, acc);
+        }
       }
     }
     // The row's w warps meet in shared memory; warp j then sums and stores column groups j,
