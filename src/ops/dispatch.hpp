@@ -30,7 +30,8 @@ inline Device common_device(const char* op, std::initializer_list<NamedTensor> t
 
 // Runs cpu_fn() on the CPU, cuda_fn() on CUDA (or throws when built without CUDA).
 template <typename CpuFn, typename CudaFn>
-void run_on(const char* op, Device device, CpuFn&& cpu_fn, [[maybe_unused]] CudaFn&& cuda_fn) {
+void run_on([[maybe_unused]] const char* op, Device device, CpuFn&& cpu_fn,
+            [[maybe_unused]] CudaFn&& cuda_fn) {
   if (device.type == DeviceType::kCPU) {
     cpu_fn();
     return;
