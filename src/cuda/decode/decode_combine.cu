@@ -13,9 +13,10 @@
 // partial sums meet in shared memory, where warp j sums and stores column groups j, j + W, ...
 // The row's LSE takes one pass over the pieces' LSEs (running max and sum together), with the
 // warp's first step of pieces in flight alongside. What the plan wrote (header, split units) and
-// the batch layout are read before the wait for the decode kernel. After the wait, a large
-// batch of units in two or three pieces gives each row one warp and one round trip; a request
-// split over ~130 CTAs, four.
+// the batch layout are read before the wait for the decode kernel (the first job's), or while
+// the previous job's pieces load (the next job's). After the wait, a large batch of units in two
+// or three pieces gives each row one warp and one round trip; a request split over ~130 CTAs,
+// four.
 //
 // Version history: v1 one warp per row, one piece per step (latency-bound: ~45 us for one 32k
 // request with 16 heads on an H200); v2 four warps per row, four pieces per step, two passes for
@@ -23,8 +24,10 @@
 // per row from the plan's largest piece count, one LSE pass, grid-stride over the rows; v4 the
 // LSEs of up to 128 pieces in one round trip, and the row's warps share the final sum and the
 // stores (code 32 -> 16 KB: this kernel runs once per decode call, from a cold instruction cache);
-// v5 the header, split unit and request of the first job read before the wait, and the first
-// step's pieces loaded with the LSEs (three round trips fewer after the decode kernel ends).
+// v5 the header, split unit and request of the first job read before the wait (the next job's
+// during this one), the first step's pieces loaded with the LSEs (three round trips fewer after
+// the decode kernel ends), two CTAs an SM at up to 128 registers (126 at four CTAs an SM had
+// left half the grid waiting for a second wave).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -40,7 +43,10 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreadsPerCta = kWarps * 32;
 constexpr int kUnroll = 4;       // pieces per step of one warp
-constexpr int kCtasPerPart = 4;  // combine CTAs per decode CTA: 4 x 256 threads fill an SM
+// Combine CTAs per decode CTA: two of 256 threads at up to 128 registers a thread fill an SM's
+// registers (a warp holds a step of four pieces, 64 values a lane, in flight).
+constexpr int kCtasPerPart = 2;
+constexpr int kMinCtasPerSm = 2;
 
 // Warps per row for units of up to `max_pieces` pieces: enough for one step of kUnroll pieces
 // each, a power of two up to kWarps.
@@ -170,7 +176,7 @@ __device__ __forceinline__ void store_out4(const DecodeParams& p, void* row_base
   }
 }
 
-__global__ void __launch_bounds__(kThreadsPerCta)
+__global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     mla_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ float4 partial[kWarps][32][4];  // per warp: its lanes' 16 columns
   // The plan's header and the first job's row are read before the wait: the plan finished before
@@ -190,7 +196,11 @@ __global__ void __launch_bounds__(kThreadsPerCta)
   JobRow jr = job_row(p, first_job * rows_per_job + warp / w, rows, block_m, lanes, num_slots);
   wait_for_prior_grids();  // the decode kernel's partial results are written
   for (int job = first_job; job * rows_per_job < rows; job += int(gridDim.x)) {
-    if (job != first_job) jr = job_row(p, job * rows_per_job + warp / w, rows, block_m, lanes, num_slots);
+    // The next job's row, read while this one's pieces load.
+    const int next = job + int(gridDim.x);
+    const JobRow jr_next = next * rows_per_job < rows
+                               ? job_row(p, next * rows_per_job + warp / w, rows, block_m, lanes, num_slots)
+                               : JobRow{};
     const bool valid = jr.valid;
     const RequestGeometry& g = jr.g;
     const int r = jr.r, row_local = jr.row_local;
@@ -261,6 +271,7 @@ __global__ void __launch_bounds__(kThreadsPerCta)
       if (p.lse != nullptr && j == 0 && lane == 0) p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
     }
     __syncthreads();  // partial[] is free for the next job
+    jr = jr_next;
   }
 }
 
