@@ -93,6 +93,10 @@ void check_plan(const std::vector<int>& kv_lens, int heads, int q_len, int num_p
     }
     for (const WorkItem& w : pieces) {
       EXPECT_LE(w.kv_begin, w.kv_end);
+      // The request's geometry, as the decode kernels take it from the item.
+      EXPECT_EQ(w.q_start, w.request * q_len);
+      EXPECT_EQ(w.q_len, q_len);
+      EXPECT_EQ(w.kv_len, kv_lens[size_t(w.request)]);
       EXPECT_EQ(w.slot < 0, pieces.size() == 1);
     }
     if (q_len == 1) EXPECT_EQ(pieces.back().kv_end, kv_lens[size_t(key.first)]);

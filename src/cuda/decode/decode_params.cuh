@@ -57,14 +57,17 @@ struct ScheduleHeader {
 // request then read the same pages at the same time, so the second read hits L2 instead of DRAM.
 // Items and split units are stored once (row_tile 0); each kernel applies the lane.
 
-struct WorkItem {
+struct __align__(16) WorkItem {
   int request;   // b
   int row_tile;  // rows [row_tile * block_m, ...) of request b
   int kv_begin;  // keys [kv_begin, kv_end) of request b (kv_begin a multiple of kBlockN)
   int kv_end;
   int slot;      // partial-result slot, or -1: the item covers its whole unit, write the output
   int part;      // the CTA that runs it
-  int pad0, pad1;
+  // Request b's geometry as the plan read it (q_len < 0: not given; read kv_lens / cu_q_lens),
+  // so that a CTA does not wait for a second load before it can start on the item.
+  int q_start, q_len, kv_len;
+  int pad[3];
 };
 
 struct SplitUnit {
@@ -109,6 +112,21 @@ struct RequestGeometry {
 // Out-of-range metadata is clamped instead of read past: negative lengths count as 0, a request
 // never has more than max_q_len queries or more than max_kv_len keys, and never reaches past
 // token T.
+// The clamps alone (each a min or max, so applying them twice changes nothing): for geometry the
+// plan read and stored in a work item, with the decode call's limits.
+__host__ __device__ inline RequestGeometry clamp_geometry(const BatchLayout& layout, RequestGeometry g) {
+  if (g.q_start < 0) g.q_start = 0;
+  if (g.q_len < 0) g.q_len = 0;
+  if (g.q_len > layout.max_q_len) g.q_len = layout.max_q_len;
+  if (layout.num_tokens >= 0) {
+    if (g.q_start > layout.num_tokens) g.q_start = layout.num_tokens;
+    if (g.q_len > layout.num_tokens - g.q_start) g.q_len = layout.num_tokens - g.q_start;
+  }
+  if (g.kv_len < 0) g.kv_len = 0;
+  if (g.kv_len > layout.max_kv_len) g.kv_len = layout.max_kv_len;
+  return g;
+}
+
 __host__ __device__ inline RequestGeometry request_geometry(const BatchLayout& layout, int b) {
   RequestGeometry g;
   if (layout.cu_q_lens != nullptr) {
@@ -120,17 +138,8 @@ __host__ __device__ inline RequestGeometry request_geometry(const BatchLayout& l
     g.q_start = b * layout.q_len;
     g.q_len = layout.q_len;
   }
-  if (g.q_len < 0) g.q_len = 0;
-  if (g.q_len > layout.max_q_len) g.q_len = layout.max_q_len;
-  if (layout.num_tokens >= 0) {
-    if (g.q_start > layout.num_tokens) g.q_start = layout.num_tokens;
-    if (g.q_len > layout.num_tokens - g.q_start) g.q_len = layout.num_tokens - g.q_start;
-  }
-  int kv_len = layout.kv_lens[int64_t(b) * layout.kv_lens_stride];
-  if (kv_len < 0) kv_len = 0;
-  if (kv_len > layout.max_kv_len) kv_len = layout.max_kv_len;
-  g.kv_len = kv_len;
-  return g;
+  g.kv_len = layout.kv_lens[int64_t(b) * layout.kv_lens_stride];
+  return clamp_geometry(layout, g);
 }
 
 // Row tiles of block_m rows that q_len x num_heads query rows fill (0 for no queries). More
@@ -138,6 +147,13 @@ __host__ __device__ inline RequestGeometry request_geometry(const BatchLayout& l
 // kernel's L2 prefetch).
 __host__ __device__ inline int row_tiles(int q_len, int num_heads, int block_m) {
   return (q_len * num_heads + block_m - 1) / block_m;
+}
+
+// The plan's lanes (below) for requests of up to max_q_len queries on num_parts CTAs: one lane a
+// row tile when every request may have several (and they fit), else 1.
+__host__ __device__ inline int plan_lanes(int max_q_len, int num_heads, int block_m, int num_parts) {
+  const int tiles_max = row_tiles(max_q_len, num_heads, block_m);
+  return tiles_max >= 2 && tiles_max <= num_parts ? tiles_max : 1;
 }
 
 // Keys visible to any row of a row tile whose last row is row_end - 1 (row_end >= 1): the causal
@@ -165,7 +181,8 @@ struct ItemRange {
 __host__ __device__ inline ItemRange item_range(const BatchLayout& layout, const WorkItem& item,
                                                 int block_m) {
   ItemRange r;
-  r.g = request_geometry(layout, item.request);
+  r.g = item.q_len >= 0 ? clamp_geometry(layout, RequestGeometry{item.q_start, item.q_len, item.kv_len})
+                        : request_geometry(layout, item.request);
   const int rows = r.g.q_len * layout.num_heads;
   r.row0 = item.row_tile * block_m;
   r.valid_rows = rows - r.row0 < block_m ? rows - r.row0 : block_m;
@@ -216,6 +233,7 @@ struct DecodeParams {
   // Without a schedule: one CTA per (request, row tile), tiles_per_request tiles each.
   int tiles_per_request;
   int has_schedule;
+  int plan_lanes;  // with a schedule: the lanes its plan should have (the header decides)
   ScheduleView schedule;
 };
 
@@ -243,6 +261,13 @@ __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int
   *end = 1;
   *lane = 0;
   if (!p.has_schedule) return;
+  // The part's bounds are loaded together with the header, for the lanes the plan should have
+  // used (one round trip, not two; in bounds for any lanes, the grid being num_parts CTAs), and
+  // again if the header says otherwise.
+  const int guess = p.plan_lanes;
+  const int v_guess = int(blockIdx.x) / guess;
+  const int begin_guess = p.schedule.part_begin[v_guess];
+  const int end_guess = p.schedule.part_begin[v_guess + 1];
   const ScheduleHeader& h = *p.schedule.header;
   if (h.magic != kScheduleMagic || h.block_m != block_m || h.batch_size != p.layout.batch_size ||
       h.num_heads != p.layout.num_heads || h.num_parts != int(gridDim.x) || h.lanes < 1) {
@@ -254,8 +279,8 @@ __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int
     *end = 0;
     return;
   }
-  *begin = p.schedule.part_begin[v];
-  *end = p.schedule.part_begin[v + 1];
+  *begin = h.lanes == guess ? begin_guess : p.schedule.part_begin[v];
+  *end = h.lanes == guess ? end_guess : p.schedule.part_begin[v + 1];
 }
 
 // Work item `it` of this CTA (see cta_work): the planned item with its lane applied (row tile
@@ -271,6 +296,7 @@ __device__ __forceinline__ WorkItem fetch_item(const DecodeParams& p, int it, in
     }
     return w;
   }
+  w.q_len = -1;  // read the request's geometry from the layout
   w.request = int(blockIdx.x) / p.tiles_per_request;
   w.row_tile = int(blockIdx.x) % p.tiles_per_request;
   w.kv_begin = 0;

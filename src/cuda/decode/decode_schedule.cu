@@ -155,6 +155,7 @@ __device__ __forceinline__ UnitCost unit_cost(const RequestGeometry& g, int tile
 // end parts), as work item `item`.
 struct SplitPieces {
   long long first;  // cost-line position of the unit's first key block
+  RequestGeometry g;
   int request, row_tile, blocks, kv_end;
   int part_first, part_last, slot, item;
 };
@@ -166,6 +167,9 @@ __device__ __forceinline__ void write_piece(const PlanParams& pp, const SplitPie
   WorkItem w{};
   w.request = u.request;
   w.row_tile = u.row_tile;
+  w.q_start = u.g.q_start;
+  w.q_len = u.g.q_len;
+  w.kv_len = u.g.kv_len;
   w.kv_begin = int(lo) * kBlockN;
   w.kv_end = min(int(hi) * kBlockN, u.kv_end);
   w.slot = pieces > 1 ? u.slot + (q - u.part_first) : -1;
@@ -196,8 +200,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   // Lanes (decode_params.cuh): with several row tiles per request, plan whole requests over
   // num_parts / lanes virtual parts; each unit is then costed by its last row tile (the one that
   // sees the most keys) and run by `lanes` CTAs side by side.
-  const int tiles_max = row_tiles(pp.layout.max_q_len, num_heads, block_m);
-  const int lanes = tiles_max >= 2 && tiles_max <= pp.num_parts ? tiles_max : 1;
+  const int lanes = plan_lanes(pp.layout.max_q_len, num_heads, block_m, pp.num_parts);
   const int parts = pp.num_parts / lanes;
   // Units of a request with `tiles` row tiles, and the row tile that costs unit t.
   auto units_of = [&](int tiles) { return lanes > 1 ? min(tiles, 1) : tiles; };
@@ -333,13 +336,14 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
         const long long first = pos + lead;
         if (c.blocks == 0) {
           const int part = part_of(pos, payload, parts);
-          if (item < pp.max_items) pp.items[item] = WorkItem{b, t, 0, 0, -1, part, 0, 0};
+          if (item < pp.max_items)
+            pp.items[item] = WorkItem{b, t, 0, 0, -1, part, g.q_start, g.q_len, g.kv_len, {0, 0, 0}};
           begin_parts(item, part);
           ++item;
         } else {
           const long long end = first + c.blocks;
           const UnitSpan span = unit_span(pos, end, payload, snap, parts);
-          const SplitPieces u{first, b, t, c.blocks, c.kv_end, span.part_first, span.part_last,
+          const SplitPieces u{first, g, b, t, c.blocks, c.kv_end, span.part_first, span.part_last,
                               slot, item};
           const int pieces = span.part_last - span.part_first + 1;
           int queued = -1;
