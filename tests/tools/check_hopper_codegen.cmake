@@ -1,12 +1,14 @@
-# Compiles the Hopper decode kernels' PTX with ptxas (no GPU needed) and fails when the code that
-# ptxas generates has lost what the kernel's speed rests on:
+# Compiles the PTX of an sm_90 decode kernel (the Hopper decode kernel, the combine kernel) with
+# ptxas (no GPU needed) and fails when the code that ptxas generates has lost what the kernel's
+# speed rests on:
 #   - wgmma serialised: ptxas notes C7510 / C7515 / C7520 ("wgmma.mma_async instructions are
 #     serialized"), emitted when, for example, the warps of a consumer warpgroup take different
 #     paths around a loop between two wgmma groups (C7520), or a non-wgmma instruction defines an
 #     accumulator register inside a pipeline stage (C7515). Every wgmma then waits for the one
 #     before it; the kernel still computes the right answer, 30-40 % slower.
-#   - register spills: the kernel's register budget (setmaxnreg: producer 40, consumers 232, of the
-#     168 x 384 the CTA has) is exact; a spill means a change outgrew it.
+#   - register spills: the Hopper kernel's register budget (setmaxnreg: producer 40, consumers
+#     232, of the 168 x 384 the CTA has) is exact, and the combine kernel's (128 a thread at two
+#     CTAs an SM) nearly full; a spill means a change outgrew it.
 # Inputs: -DPTXAS=<ptxas> -DPTX=<file.ptx> -DARCH=sm_90a -DOUT=<scratch cubin>
 foreach(var PTXAS PTX ARCH OUT)
   if(NOT ${var})
@@ -48,5 +50,5 @@ endforeach()
 string(REGEX MATCHALL "Used [0-9]+ registers" regs "${out}")
 message(STATUS "${n_entries} entry functions; ${regs}; ${spills}")
 if(problems)
-  message(FATAL_ERROR "Hopper decode code generation (${ARCH}):\n${problems}")
+  message(FATAL_ERROR "code generation of ${PTX} (${ARCH}):\n${problems}")
 endif()
