@@ -89,7 +89,7 @@ void check_plan(const std::vector<int>& kv_lens, int heads, int q_len, int num_p
     EXPECT_EQ(pieces.front().kv_begin, 0);
     for (size_t i = 1; i < pieces.size(); ++i) {
       EXPECT_EQ(pieces[i].kv_begin, pieces[i - 1].kv_end) << "piece " << i;
-      EXPECT_LE(pieces[i - 1].part, pieces[i].part);
+      EXPECT_LT(pieces[i - 1].part, pieces[i].part) << "a unit's pieces run on distinct CTAs";
     }
     for (const WorkItem& w : pieces) {
       EXPECT_LE(w.kv_begin, w.kv_end);

@@ -110,7 +110,7 @@ struct JobRow {
   bool valid;
 };
 __device__ __forceinline__ JobRow job_row(const DecodeParams& p, int gr, int rows, int block_m, int lanes,
-                                          int num_slots) {
+                                          int num_slots, int planned_max_q_len) {
   // Row gr: split unit x lane u = gr / block_m (unit u / lanes, row tile u % lanes with its
   // slots offset by the lane), row row_local of the tile.
   JobRow jr{};
@@ -125,6 +125,9 @@ __device__ __forceinline__ JobRow job_row(const DecodeParams& p, int gr, int row
       jr.unit.slot_begin += tile_lane * num_slots;
     }
     jr.g = request_geometry(p.layout, jr.unit.request);
+    // The decode kernels take the geometry the plan stored in the items (clamped to the planned
+    // max_q_len) with this call's clamps applied again: the same rows, whatever the call's max_q_len.
+    if (jr.g.q_len > planned_max_q_len) jr.g.q_len = planned_max_q_len;
     jr.r = jr.unit.row_tile * block_m + jr.row_local;
     jr.valid = jr.r < jr.g.q_len * p.layout.num_heads;  // same for a row's warps
   }
@@ -185,7 +188,15 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
   // decode kernel writes (partial LSEs and outputs) is read after the wait; every CTA waits, so
   // that this grid completes only after the decode kernel has.
   const ScheduleHeader& header = *p.schedule.header;
+  if (header.magic != kScheduleMagic || header.batch_size != p.layout.batch_size ||
+      header.num_heads != p.layout.num_heads || header.lanes < 1 || header.block_m < 1) {
+    // A plan for another batch shape: the decode kernel traps on it too. Nothing past the header
+    // is read, so that no index it holds is followed.
+    wait_for_prior_grids();
+    __trap();
+  }
   const int block_m = header.block_m, lanes = header.lanes, num_slots = header.num_slots;
+  const int max_q_len = header.max_q_len;
   const int rows = header.num_split_units * lanes * block_m;
   const int w = warps_per_row(header.max_pieces);
   const int rows_per_job = kWarps / w;
@@ -193,13 +204,13 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
   const int j = warp % w;  // this warp's place among its row's warps
   const int num_heads = p.layout.num_heads;
   const int first_job = int(blockIdx.x);
-  JobRow jr = job_row(p, first_job * rows_per_job + warp / w, rows, block_m, lanes, num_slots);
+  JobRow jr = job_row(p, first_job * rows_per_job + warp / w, rows, block_m, lanes, num_slots, max_q_len);
   wait_for_prior_grids();  // the decode kernel's partial results are written
   for (int job = first_job; job * rows_per_job < rows; job += int(gridDim.x)) {
     // The next job's row, read while this one's pieces load.
     const int next = job + int(gridDim.x);
     const JobRow jr_next = next * rows_per_job < rows
-                               ? job_row(p, next * rows_per_job + warp / w, rows, block_m, lanes, num_slots)
+                               ? job_row(p, next * rows_per_job + warp / w, rows, block_m, lanes, num_slots, max_q_len)
                                : JobRow{};
     const bool valid = jr.valid;
     const RequestGeometry& g = jr.g;

@@ -28,12 +28,13 @@ constexpr int kMaxBlockM = 64;  // the largest row tile; partial slots are sized
 // A fixed cost of 1 block is 5-13 % faster than 2 on some split rows (16 heads at B 16-32 kv
 // 2-4k and 128 heads at batch 1 on the portable kernel); the rows where it was slower (kv 1k at
 // B 16-64: units of 17 blocks against a payload of 9) are batches of equal units, which the plan
-// now cuts into equal pieces whatever the cost (decode_schedule.cu). 4 and 8 are slower still.
+// now cuts into equal pieces when they fit on the CTAs (decode_schedule.cu); batches whose units
+// differ by a block or more still take the cost line's cuts. 4 and 8 are slower still.
 constexpr int kOverheadBlocks = 1;
 constexpr int kMinBlocksPerPart = 1;
 // A cut inside a unit's fixed cost would give the piece after it a negative key range: no cut
 // falls strictly inside a cost of one block, and unit_span moves at most one cut to the unit's
-// start, which covers a cost of two (where, with payload 1, the first piece is then empty).
+// start, which would cover a cost of two (with payload 1 the first piece was then empty).
 static_assert(kOverheadBlocks >= 1 && kOverheadBlocks <= 2,
               "unit_span snaps at most one cut inside the fixed cost of a unit");
 
@@ -50,6 +51,7 @@ struct ScheduleHeader {
   int lanes;            // row tiles run side by side (see below); 1 = one unit per row tile
   int num_slots;        // partial-result slots of lane 0 (lane r uses slot + r * num_slots)
   int max_pieces;       // most pieces of one split unit (the combine kernel's shape)
+  int max_q_len;        // the max_q_len it was planned for (items carry geometry clamped to it)
 };
 // Lanes. When every request has several row tiles (more than 64 rows: 128 heads, or 16 heads with
 // q_len >= 5), the plan cuts the key ranges of whole requests among num_parts / lanes virtual

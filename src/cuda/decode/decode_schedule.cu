@@ -9,7 +9,7 @@
 // a partial result into its own slot and the combine kernel merges them. So every CTA gets about
 // the same number of key blocks whether the batch is one 32k-token request or 256 short ones.
 //
-// Two refinements keep pieces from being cut for nothing:
+// Three refinements keep pieces from being cut for nothing:
 //   * payload = ceil(total / num_parts), at least kMinBlocksPerPart; and when the largest unit
 //     costs at most 5/4 of that, payload grows to it. A batch of equal units that nearly fills
 //     the GPU (64 requests x 2 row tiles on 132 SMs) then runs one unit per CTA, unsplit,
@@ -31,7 +31,7 @@
 // (decode_params.cuh) the line has num_parts / L parts and every slot is used L times:
 // slots * L <= 2 (num_parts / L - 1) * L < 2 num_parts.
 //
-// The kernel is one CTA of 1024 threads: each thread owns a contiguous range of requests; three
+// The kernel is one CTA of 512 threads: each thread owns a contiguous range of requests; three
 // passes over them (cost, counts, writes) are joined by block-wide exclusive scans.
 #include <cuda_runtime.h>
 
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   // line above the cuts fall wherever the units do: units of 17 cost blocks on a payload of 9
   // mostly take three pieces, and a CTA whose share straddles two units runs two items. Here the
   // line is laid out again with each unit padded to k pieces and no fixed cost on it, so that
-  // every unit starts at a cut (lead = 0, advance = k * pieces, snap = 0). Only when the n * k
+  // every unit starts at a cut (lead = 0, advance = k * payload, snap = 0). Only when the n * k
   // pieces fit on the parts; else the line stays as it is.
   long long lead = kOverheadBlocks;  // line cost before a unit's first key block
   long long equal_advance = 0;       // line cost of a unit in equal mode (0: the line above)
@@ -397,6 +397,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
     h.lanes = lanes;
     h.num_slots = num_slots;
     h.max_pieces = max_pieces;
+    h.max_q_len = pp.layout.max_q_len;
     // A plan that does not fit its workspace (impossible by the capacity bounds above) is
     // marked so that the decode kernel traps instead of producing wrong results.
     if (num_items > pp.max_items || num_splits > pp.max_split_units ||
