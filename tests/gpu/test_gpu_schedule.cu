@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -142,6 +143,74 @@ TEST(GpuDecodeSchedule, EqualRequestsGetEqualPieces) {
   check_plan(std::vector<int>(16, 1024), 128, 2, 132, 2);   // four lanes, 33 parts: payload 9
   check_plan(std::vector<int>(16, 1000), 16, 1, 132, 6);    // a partial last block
   check_plan(std::vector<int>(7, 333), 16, 1, 7, 1);        // one unit a CTA, unsplit
+  // Structure only (the pieces per unit follow from the cost line or the rule): lanes that do
+  // not divide the parts, and causal row tiles of one request as separate units (no lanes).
+  check_plan(std::vector<int>(9, 700), 128, 1, 7);
+  check_plan(std::vector<int>(6, 1000), 16, 5, 13);  // 80 rows: two row tiles, two lanes
+  check_plan(std::vector<int>(5, 1000), 16, 5, 1);   // one part: the tiles are units
+  check_plan(std::vector<int>(5, 1000), 16, 5, 3);   // three parts, two tiles: lanes 2 of 1 part
+}
+
+// A request's geometry by the rules written out once more: queries from a start >= 0 clamped to
+// [0, max_q_len] and to the T tokens, keys clamped to [0, max_kv_len].
+cuda::decode::RequestGeometry expected_geometry(const cuda::decode::BatchLayout& l, int b) {
+  cuda::decode::RequestGeometry g{};
+  if (l.cu_q_lens != nullptr) {
+    g.q_start = std::max(l.cu_q_lens[b], 0);
+    g.q_len = l.cu_q_lens[b + 1] - g.q_start;
+  } else {
+    g.q_start = b * l.q_len;
+    g.q_len = l.q_len;
+  }
+  g.q_len = std::clamp(g.q_len, 0, l.max_q_len);
+  if (l.num_tokens >= 0) {
+    g.q_start = std::min(g.q_start, l.num_tokens);
+    g.q_len = std::min(g.q_len, l.num_tokens - g.q_start);
+  }
+  g.kv_len = std::clamp(l.kv_lens[b], 0, l.max_kv_len);
+  return g;
+}
+
+// The geometry a work item carries (read by the plan with no token or key limit) with the decode
+// call's clamps applied again, and what the call reads from the layout itself, both follow the
+// rules, for every kind of bad metadata the clamps exist for. A host-only test: it runs without
+// a GPU.
+TEST(DecodeGeometry, ItemGeometryMatchesTheLayout) {
+  using cuda::decode::BatchLayout;
+  using cuda::decode::RequestGeometry;
+  std::mt19937 rng(11);
+  auto pick = [&](int lo, int hi) { return lo + int(rng() % uint32_t(hi - lo + 1)); };
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int batch = pick(1, 6);
+    std::vector<int32_t> kv(static_cast<size_t>(batch)), cu(static_cast<size_t>(batch) + 1);
+    for (int32_t& x : kv) x = pick(-5, 300);
+    cu[0] = pick(-3, 2);
+    for (int b = 0; b < batch; ++b) cu[size_t(b) + 1] = cu[size_t(b)] + pick(-2, 6);  // may go down
+    const bool ragged = trial % 2 == 0;
+    BatchLayout call{};
+    call.kv_lens = kv.data();
+    call.kv_lens_stride = 1;
+    call.cu_q_lens = ragged ? cu.data() : nullptr;
+    call.cu_q_lens_stride = 1;
+    call.q_len = ragged ? 0 : pick(1, 4);
+    call.max_q_len = ragged ? pick(1, 6) : call.q_len;
+    call.num_tokens = pick(0, 20);
+    call.max_kv_len = pick(0, 320);
+    call.batch_size = batch;
+    call.num_heads = 16;
+    BatchLayout plan = call;  // what plan_decode sees: no token count, no key limit
+    plan.num_tokens = -1;
+    plan.max_kv_len = INT_MAX;
+    for (int b = 0; b < batch; ++b) {
+      const RequestGeometry want = expected_geometry(call, b);
+      for (const RequestGeometry& got :
+           {request_geometry(call, b), clamp_geometry(call, request_geometry(plan, b))}) {
+        ASSERT_EQ(got.q_start, want.q_start) << "trial " << trial << ", request " << b;
+        ASSERT_EQ(got.q_len, want.q_len) << "trial " << trial << ", request " << b;
+        ASSERT_EQ(got.kv_len, want.kv_len) << "trial " << trial << ", request " << b;
+      }
+    }
+  }
 }
 
 }  // namespace
