@@ -12,11 +12,11 @@
 // 16-byte loads per lane are in flight), each lane owning 16 of the 512 columns, and the W
 // partial sums meet in shared memory, where warp j sums and stores column groups j, j + W, ...
 // The row's LSE takes one pass over the pieces' LSEs (running max and sum together), with the
-// warp's first step of pieces in flight alongside. What the plan wrote (header, split units) and
-// the batch layout are read before the wait for the decode kernel (the first job's), or while
-// the previous job's pieces load (the next job's). After the wait, a large batch of units in two
-// or three pieces gives each row one warp and one round trip; a request split over ~130 CTAs,
-// four.
+// warp's first step of pieces in flight alongside. What the plan wrote (header, split units with
+// their request's geometry) is read before the wait for the decode kernel (the first job's), or
+// while the previous job's pieces load (the next job's). After the wait, a large batch of units
+// in two or three pieces gives each row one warp and one round trip; a request split over ~130
+// CTAs, four.
 //
 // Version history: v1 one warp per row, one piece per step (latency-bound: ~45 us for one 32k
 // request with 16 heads on an H200); v2 four warps per row, four pieces per step, two passes for
@@ -100,8 +100,7 @@ __device__ __forceinline__ void add_step(const PieceStep& st, float lse, float4 
 }
 
 // The row a warp combines in one job: its split unit (the lane's row tile and slots), request
-// and row. Read from the plan's arrays and the batch layout, none of which the decode kernel
-// writes.
+// and row. Read from the plan's arrays, which the decode kernel does not write.
 struct JobRow {
   SplitUnit unit;
   RequestGeometry g;
@@ -110,7 +109,7 @@ struct JobRow {
   bool valid;
 };
 __device__ __forceinline__ JobRow job_row(const DecodeParams& p, int gr, int rows, int block_m, int lanes,
-                                          int num_slots, int planned_max_q_len) {
+                                          int num_slots) {
   // Row gr: split unit x lane u = gr / block_m (unit u / lanes, row tile u % lanes with its
   // slots offset by the lane), row row_local of the tile.
   JobRow jr{};
@@ -124,10 +123,7 @@ __device__ __forceinline__ JobRow job_row(const DecodeParams& p, int gr, int row
       jr.unit.row_tile = tile_lane;
       jr.unit.slot_begin += tile_lane * num_slots;
     }
-    jr.g = request_geometry(p.layout, jr.unit.request);
-    // The decode kernels take the geometry the plan stored in the items (clamped to the planned
-    // max_q_len) with this call's clamps applied again: the same rows, whatever the call's max_q_len.
-    if (jr.g.q_len > planned_max_q_len) jr.g.q_len = planned_max_q_len;
+    jr.g = planned_geometry(p.layout, jr.unit.q_start, jr.unit.q_len, jr.unit.kv_len);
     jr.r = jr.unit.row_tile * block_m + jr.row_local;
     jr.valid = jr.r < jr.g.q_len * p.layout.num_heads;  // same for a row's warps
   }
@@ -196,7 +192,6 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     __trap();
   }
   const int block_m = header.block_m, lanes = header.lanes, num_slots = header.num_slots;
-  const int max_q_len = header.max_q_len;
   const int rows = header.num_split_units * lanes * block_m;
   const int w = warps_per_row(header.max_pieces);
   const int rows_per_job = kWarps / w;
@@ -204,13 +199,13 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
   const int j = warp % w;  // this warp's place among its row's warps
   const int num_heads = p.layout.num_heads;
   const int first_job = int(blockIdx.x);
-  JobRow jr = job_row(p, first_job * rows_per_job + warp / w, rows, block_m, lanes, num_slots, max_q_len);
+  JobRow jr = job_row(p, first_job * rows_per_job + warp / w, rows, block_m, lanes, num_slots);
   wait_for_prior_grids();  // the decode kernel's partial results are written
   for (int job = first_job; job * rows_per_job < rows; job += int(gridDim.x)) {
     // The next job's row, read while this one's pieces load.
     const int next = job + int(gridDim.x);
     const JobRow jr_next = next * rows_per_job < rows
-                               ? job_row(p, next * rows_per_job + warp / w, rows, block_m, lanes, num_slots, max_q_len)
+                               ? job_row(p, next * rows_per_job + warp / w, rows, block_m, lanes, num_slots)
                                : JobRow{};
     const bool valid = jr.valid;
     const RequestGeometry& g = jr.g;

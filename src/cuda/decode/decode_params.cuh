@@ -51,7 +51,6 @@ struct ScheduleHeader {
   int lanes;            // row tiles run side by side (see below); 1 = one unit per row tile
   int num_slots;        // partial-result slots of lane 0 (lane r uses slot + r * num_slots)
   int max_pieces;       // most pieces of one split unit (the combine kernel's shape)
-  int max_q_len;        // the max_q_len it was planned for (items carry geometry clamped to it)
 };
 // Lanes. When every request has several row tiles (more than 64 rows: 128 heads, or 16 heads with
 // q_len >= 5), the plan cuts the key ranges of whole requests among num_parts / lanes virtual
@@ -72,11 +71,13 @@ struct __align__(16) WorkItem {
   int pad[3];
 };
 
-struct SplitUnit {
+struct __align__(16) SplitUnit {
   int request;     // b
   int row_tile;    // row tile of request b
   int slot_begin;  // slots [slot_begin, slot_begin + num_pieces) hold its pieces, in key order
   int num_pieces;  // >= 2
+  int q_start, q_len, kv_len;  // request b's geometry as the plan read it (as in WorkItem)
+  int pad;
 };
 
 // Device pointers into a planned workspace (all null when running without a schedule).
@@ -127,6 +128,13 @@ __host__ __device__ inline RequestGeometry clamp_geometry(const BatchLayout& lay
   if (g.kv_len < 0) g.kv_len = 0;
   if (g.kv_len > layout.max_kv_len) g.kv_len = layout.max_kv_len;
   return g;
+}
+
+// What the decode and combine kernels take for a planned item or split unit: the geometry the
+// plan read, with this call's clamps, so that both kernels see the same rows.
+__host__ __device__ inline RequestGeometry planned_geometry(const BatchLayout& layout, int q_start,
+                                                            int q_len, int kv_len) {
+  return clamp_geometry(layout, RequestGeometry{q_start, q_len, kv_len});
 }
 
 __host__ __device__ inline RequestGeometry request_geometry(const BatchLayout& layout, int b) {
@@ -183,7 +191,7 @@ struct ItemRange {
 __host__ __device__ inline ItemRange item_range(const BatchLayout& layout, const WorkItem& item,
                                                 int block_m) {
   ItemRange r;
-  r.g = item.q_len >= 0 ? clamp_geometry(layout, RequestGeometry{item.q_start, item.q_len, item.kv_len})
+  r.g = item.q_len >= 0 ? planned_geometry(layout, item.q_start, item.q_len, item.kv_len)
                         : request_geometry(layout, item.request);
   const int rows = r.g.q_len * layout.num_heads;
   r.row0 = item.row_tile * block_m;

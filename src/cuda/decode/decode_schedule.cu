@@ -364,7 +364,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
           }
           item += pieces;
           if (pieces > 1) {
-            if (split < pp.max_split_units) pp.split_units[split] = SplitUnit{b, t, slot, pieces};
+            if (split < pp.max_split_units)
+              pp.split_units[split] = SplitUnit{b, t, slot, pieces, g.q_start, g.q_len, g.kv_len, 0};
             ++split;
             slot += pieces;
           }
@@ -397,7 +398,6 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
     h.lanes = lanes;
     h.num_slots = num_slots;
     h.max_pieces = max_pieces;
-    h.max_q_len = pp.layout.max_q_len;
     // A plan that does not fit its workspace (impossible by the capacity bounds above) is
     // marked so that the decode kernel traps instead of producing wrong results.
     if (num_items > pp.max_items || num_splits > pp.max_split_units ||
