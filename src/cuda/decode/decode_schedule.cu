@@ -267,10 +267,10 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
       equal_advance = k * payload;
     }
   }
-  // A unit's line position: after the units before it, and how far it moves the line.
-  auto line_base = [&](long long cost_before) {
-    return equal_advance > 0 ? div_pos(cost_before, unit_total) * equal_advance : cost_before;
-  };
+  // This thread's first unit's line position (after the units before it), and how far a unit
+  // moves the line.
+  const long long line_start =
+      equal_advance > 0 ? div_pos(cost_base, unit_total) * equal_advance : cost_base;
   auto advance = [&](int blocks) { return equal_advance > 0 ? equal_advance : blocks + kOverheadBlocks; };
 
   // Pass 2: items, split units and slots of this thread's units.
@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
   int my_last_part = -1;  // part of this thread's last item
   int my_max_pieces = 1;
   {
-    long long pos = line_base(cost_base);
+    long long pos = line_start;
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
       const RequestGeometry g = request_geometry(pp.layout, b);
@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_decode_kernel(const __grid_
 
   // Pass 3: write the items and split units.
   {
-    long long pos = line_base(cost_base);
+    long long pos = line_start;
     int item = item_base, split = split_base, slot = slot_base;
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
