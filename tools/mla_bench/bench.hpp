@@ -165,7 +165,9 @@ class Runner {
 std::unique_ptr<Runner> make_cpu_runner();
 #if defined(MLA_WITH_CUDA)
 bool cuda_device_available();
-std::unique_ptr<Runner> make_cuda_runner();
+// How the L2 is emptied before each timed run (see --flush).
+enum class L2Flush : uint8_t { kWrite, kRead };
+std::unique_ptr<Runner> make_cuda_runner(L2Flush flush);
 #endif
 
 // Median of a non-empty sample.

@@ -93,6 +93,17 @@ DeviceMemory nan_output(size_t bytes) {
 // ---- kernels for the ceilings and the naive baseline ----------------------------------------
 
 // data[i] = a pseudo-random value in [-1, 1) hashed from (seed, i).
+// Reads n 16-byte words (the L2 flush by reading): the XOR of what a thread read goes to sink only
+// when it is a value the buffer never holds, so that the loads stay and nothing is written.
+__global__ void read_flush_kernel(const uint4* data, size_t n, uint32_t* sink) {
+  uint32_t x = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = data[i];
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0xdeadbeefu) *sink = x;
+}
+
 __global__ void fill_random_bf16_kernel(__nv_bfloat16* data, size_t n, uint64_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
        i += size_t(gridDim.x) * blockDim.x) {
@@ -196,7 +207,7 @@ unsigned grid_for(size_t n, unsigned block) {
 
 class GpuRunner final : public Runner {
  public:
-  GpuRunner() {
+  explicit GpuRunner(L2Flush flush) : flush_mode_(flush) {
     MLA_CUDA_CHECK(cudaGetDevice(&device_));
     MLA_CUDA_CHECK(cudaGetDeviceProperties(&props_, device_));
     int driver = 0, runtime = 0;
@@ -212,6 +223,9 @@ class GpuRunner final : public Runner {
     BENCH_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
     // Writing twice the L2 size before each timed run evicts whatever the previous run left.
     flush_ = DeviceMemory(std::max<size_t>(2 * size_t(props_.l2CacheSize), size_t(1) << 20));
+    // The read flush reads zeros (the XOR of them never matches the sink's guard value).
+    MLA_CUDA_CHECK(cudaMemset(flush_.get(), 0, flush_.bytes()));
+    MLA_CUDA_CHECK(cudaDeviceSynchronize());
   }
   ~GpuRunner() override {
     cublasDestroy(cublas_);
@@ -402,8 +416,17 @@ class GpuRunner final : public Runner {
     return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
   }
 
+  // Evicts what the previous run left in L2: by writing twice its size (the L2 then holds dirty
+  // lines, written back as the timed run's own traffic evicts them) or by reading it (clean lines).
   void flush_l2() {
-    MLA_CUDA_CHECK(cudaMemsetAsync(flush_.get(), flush_value_++ & 0xff, flush_.bytes(), stream_));
+    if (flush_mode_ == L2Flush::kWrite) {
+      MLA_CUDA_CHECK(cudaMemsetAsync(flush_.get(), flush_value_++ & 0xff, flush_.bytes(), stream_));
+      return;
+    }
+    const size_t words = flush_.bytes() / sizeof(uint4);
+    read_flush_kernel<<<4 * props_.multiProcessorCount, 512, 0, stream_>>>(
+        static_cast<const uint4*>(flush_.get()), words, static_cast<uint32_t*>(flush_.get()));
+    MLA_CUDA_CHECK_LAUNCH();
   }
 
   // Runs fn() (which enqueues work on stream_) warmup + iters times, each after an L2 flush;
@@ -495,6 +518,7 @@ class GpuRunner final : public Runner {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
+  L2Flush flush_mode_;
   DeviceMemory flush_;
   unsigned flush_value_ = 0;
 };
@@ -511,6 +535,6 @@ bool cuda_device_available() {
   return count > 0;
 }
 
-std::unique_ptr<Runner> make_cuda_runner() { return std::make_unique<GpuRunner>(); }
+std::unique_ptr<Runner> make_cuda_runner(L2Flush flush) { return std::make_unique<GpuRunner>(flush); }
 
 }  // namespace mla::bench

@@ -42,6 +42,10 @@ each result against a float64 naive computation. Without case options it runs --
   --kv-dtype bf16|fp16|fp8 decode: cache and query dtype; prefill: q/k/v dtype (default bf16)
   --tokens N               prefill: total new tokens, split raggedly over --batch requests
                            (default 1024)
+  --flush write|read       cuda: how the L2 is emptied before each run: write (default) fills a
+                           buffer of twice the L2 size, which leaves the L2 full of dirty lines
+                           that the timed run's traffic must write back first; read reads such a
+                           buffer, which leaves clean lines
   --warmup N               untimed runs per case (default 1 on cpu, 5 on cuda)
   --iters N                timed runs per case; the median is reported (default 3 / 20)
   --seed N                 random seed (default 1)
@@ -61,6 +65,7 @@ struct Options {
   std::string json_path;
   BenchCase single;
   bool case_options_given = false;
+  std::string flush = "write";
   int warmup = -1;
   int iters = -1;
   uint64_t seed = 1;
@@ -112,6 +117,10 @@ Options parse_options(int argc, char** argv) {
       if (value != "default" && value != "decode" && value != "prefill")
         usage_error("--sweep expects default, decode or prefill, got '" + std::string(value) + "'");
       o.sweep = value;
+    } else if (arg == "--flush") {
+      o.flush = value;
+      if (o.flush != "write" && o.flush != "read")
+        usage_error("--flush expects write or read, got '" + std::string(value) + "'");
     } else if (arg == "--json") {
       o.json_path = value;
     } else if (arg == "--warmup") {
@@ -254,7 +263,7 @@ int run(int argc, char** argv) {
     runner = make_cpu_runner();
   } else {
 #if defined(MLA_WITH_CUDA)
-    if (o.device == "cuda" || cuda_device_available()) runner = make_cuda_runner();
+    if (o.device == "cuda" || cuda_device_available()) runner = make_cuda_runner(o.flush == "read" ? L2Flush::kRead : L2Flush::kWrite);
 #else
     if (o.device == "cuda") usage_error("--device cuda: this mla-bench was built without CUDA");
 #endif
@@ -293,6 +302,7 @@ int run(int argc, char** argv) {
     report.part = std::to_string(o.part_index) + "/" + std::to_string(o.part_count);
   report.warmup = warmup;
   report.iters = iters;
+  if (report.device == "cuda") report.flush = o.flush;
   report.ceilings = runner->ceilings();
   print_header(stdout, report);
   print_table_head(stdout, report.ceilings.has_value());

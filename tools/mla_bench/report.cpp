@@ -66,9 +66,10 @@ void print_header(std::FILE* f, const Report& r) {
   if (r.ceilings)
     std::fprintf(f, "ceilings: cuBLAS bf16 GEMM %.1f TFLOP/s, device copy %.1f GB/s\n",
                  r.ceilings->gemm_tflops, r.ceilings->copy_gbps);
-  std::fprintf(f, "sweep %s%s%s, %d warm-up + %d timed iterations (median); prefill rows show the "
+  std::fprintf(f, "sweep %s%s%s, %d warm-up + %d timed iterations (median%s%s); prefill rows show the "
                   "mean sequence length as kv_len/q_len\n",
-               r.sweep.c_str(), r.part.empty() ? "" : " part ", r.part.c_str(), r.warmup, r.iters);
+               r.sweep.c_str(), r.part.empty() ? "" : " part ", r.part.c_str(), r.warmup, r.iters,
+               r.flush.empty() ? "" : ", L2 flush by ", r.flush.c_str());
 }
 
 void print_table_head(std::FILE* f, bool with_ceilings) {
@@ -116,6 +117,7 @@ void write_json(const std::string& path, const Report& r) {
   if (!r.part.empty()) os << "  \"part\": " << json_string(r.part) << ",\n";
   os << "  \"warmup\": " << r.warmup << ",\n";
   os << "  \"iters\": " << r.iters << ",\n";
+  if (!r.flush.empty()) os << "  \"flush\": " << json_string(r.flush) << ",\n";
   os << "  \"ceilings\": {\"gemm_tflops\": "
      << (r.ceilings ? json_number(r.ceilings->gemm_tflops) : "null")
      << ", \"copy_gbps\": " << (r.ceilings ? json_number(r.ceilings->copy_gbps) : "null") << "},\n";
