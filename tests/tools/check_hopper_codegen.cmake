@@ -9,7 +9,15 @@
 #   - register spills: the Hopper kernel's register budget (setmaxnreg: producer 40, consumers
 #     232, of the 168 x 384 the CTA has) is exact, and the combine kernel's (128 a thread at two
 #     CTAs an SM) nearly full; a spill means a change outgrew it.
+#   - code size (with -DMAX_TEXT_BYTES and -DREADELF): each kernel's machine code (its .text
+#     section in the cubin) at most MAX_TEXT_BYTES. The Hopper kernel's two consumer loops are
+#     ~23 KB each and run from the instruction cache every pair: 9 KB more code (a second copy of
+#     the producer) made it 4-5 % slower with nothing else changed, and ncu's "no instruction"
+#     stalls grew by 40 % (docs/perf-notes.md, eleventh session). The combine kernel runs once a
+#     call from a cold instruction cache. Raise a budget only with a measurement that says the
+#     extra code pays.
 # Inputs: -DPTXAS=<ptxas> -DPTX=<file.ptx> -DARCH=sm_90a -DOUT=<scratch cubin>
+#         [-DREADELF=<readelf> -DMAX_TEXT_BYTES=<n>]
 foreach(var PTXAS PTX ARCH OUT)
   if(NOT ${var})
     message(FATAL_ERROR "check_hopper_codegen: -D${var}=... is required")
@@ -49,6 +57,33 @@ foreach(line IN LISTS spills)
 endforeach()
 string(REGEX MATCHALL "Used [0-9]+ registers" regs "${out}")
 message(STATUS "${n_entries} entry functions; ${regs}; ${spills}")
+if(MAX_TEXT_BYTES)
+  if(NOT READELF)
+    message(FATAL_ERROR "check_hopper_codegen: -DMAX_TEXT_BYTES needs -DREADELF=<readelf>")
+  endif()
+  execute_process(COMMAND ${READELF} -S -W ${OUT} RESULT_VARIABLE rc OUTPUT_VARIABLE sections
+                  ERROR_QUIET)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "readelf -S failed (${rc}) on ${OUT}")
+  endif()
+  # "[Nr] Name Type Address Off Size ...": the .text section of each kernel.
+  string(REGEX MATCHALL "\\.text\\.[^ ]+ +PROGBITS +[0-9a-f]+ +[0-9a-f]+ +[0-9a-f]+" texts "${sections}")
+  list(LENGTH texts n_texts)
+  if(n_texts LESS n_entries)
+    message(FATAL_ERROR "expected a .text section for each of the ${n_entries} entry functions in ${OUT}, "
+                        "found ${n_texts}:\n${sections}")
+  endif()
+  foreach(t IN LISTS texts)
+    string(REGEX REPLACE "^\\.text\\.([^ ]+) .* ([0-9a-f]+)$" "\\1;\\2" name_size "${t}")
+    list(GET name_size 0 name)
+    list(GET name_size 1 hex)
+    math(EXPR bytes "0x${hex}")
+    message(STATUS "${bytes} bytes of code: ${name}")
+    if(bytes GREATER MAX_TEXT_BYTES)
+      string(APPEND problems "  code size: ${bytes} bytes, more than the budget of ${MAX_TEXT_BYTES}: ${name}\n")
+    endif()
+  endforeach()
+endif()
 if(problems)
   message(FATAL_ERROR "code generation of ${PTX} (${ARCH}):\n${problems}")
 endif()
