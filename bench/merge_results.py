@@ -28,7 +28,8 @@ def main(argv):
             data = json.load(f)
         if first is None:
             first = data
-        for key in ("card", "commit", "device"):
+        # One card, one build, one way of timing (the L2 flush of CUDA runs: write or read).
+        for key in ("card", "commit", "device", "flush"):
             if data.get(key) != first.get(key):
                 sys.exit(f"merge_results: {path}: {key} {data.get(key)!r} differs from "
                          f"{first.get(key)!r} of {args.inputs[0]}")
@@ -47,6 +48,8 @@ def main(argv):
         "ceilings": first.get("ceilings"),
         "runs": runs,
     }
+    if first.get("flush"):
+        merged["flush"] = first["flush"]
     if args.note:
         merged["note"] = args.note
     merged["rows"] = rows

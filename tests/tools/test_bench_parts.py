@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """mla-bench --part K/N and bench/merge_results.py: the parts of a sweep together run every case
-once, with the results of the whole run (same seeds), and merge into one file; bad --part values
-and runs of different cards are rejected with a message.
+once, with the results of the whole run (same seeds), and merge into one file; bad --part and
+--flush values, and runs of different cards or flushes, are rejected with a message.
 
     python3 tests/tools/test_bench_parts.py MLA_BENCH MERGE_RESULTS_PY
 """
@@ -53,13 +53,18 @@ def main(bench, merge):
             r = run([bench, *common, "--part", bad], expect_rc=2)
             assert message in r.stderr, f"--part {bad}: {r.stderr!r}"
 
-        # Runs of different cards are not merged.
-        other = os.path.join(tmp, "other.json")
-        data = json.load(open(parts[1]))
-        data["card"] = "another card"
-        json.dump(data, open(other, "w"))
-        r = run([sys.executable, merge, parts[0], other, "--out", os.path.join(tmp, "x.json")], expect_rc=1)
-        assert "card 'another card' differs" in r.stderr, r.stderr
+        r = run([bench, *common, "--flush", "both"], expect_rc=2)
+        assert "--flush expects write or read, got 'both'" in r.stderr, r.stderr
+
+        # Runs of different cards, or timed after different L2 flushes, are not merged.
+        for key, value, message in (("card", "another card", "card 'another card' differs"),
+                                    ("flush", "read", "flush 'read' differs")):
+            other = os.path.join(tmp, "other.json")
+            data = json.load(open(parts[1]))
+            data[key] = value
+            json.dump(data, open(other, "w"))
+            r = run([sys.executable, merge, parts[0], other, "--out", os.path.join(tmp, "x.json")], expect_rc=1)
+            assert message in r.stderr, r.stderr
     print("bench parts: ok")
 
 
