@@ -7,8 +7,8 @@
 #      racecheck compute-sanitizer --tool racecheck, on a reduced set (slow)
 #   4. bench     mla-bench --device cuda --sweep decode (and prefill when supported), JSON out
 #   5. summary   a table of step, result (PASS/FAIL/SKIP), seconds and counts, printed last
-# Logs and JSON go to ${OUT:-./device-out}. Exits non-zero when any step failed; the table is
-# printed in every case.
+# Logs and JSON go to ${OUT:-./device-out}, packed into device-run.tgz at the end. Exits non-zero
+# when any step failed; the table is printed in every case.
 #
 # Environment:
 #   BUILD_DIR              reuse this build folder (must contain tests/mla_gpu_tests)
@@ -23,6 +23,7 @@
 #   BENCH_DECODE_PARTS=N   run the decode sweep as N parts (--part K/N), each its own JSON;
 #   BENCH_DECODE_PART=K/N  or only part K (merge the JSONs with bench/merge_results.py)
 #   SANITIZE_TIMEOUT_S, BENCH_TIMEOUT_S, TEST_TIMEOUT_S   per-step time limits in seconds
+#   PACK_OUTPUT=0          leave the logs and JSON as files (default: one device-run.tgz at the end)
 set -euo pipefail
 
 SRC_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
@@ -49,7 +50,20 @@ print_summary() {
     printf '%-13s %-6s %8s  %s\n' "script" "FAIL" "-" "aborted with status $status (see $OUT_DIR)"
     failed=1
   fi
-  echo "logs: $OUT_DIR"
+  # One archive of every log and JSON (a machine that hands back only a few files loses none),
+  # unless PACK_OUTPUT=0.
+  if [[ "${PACK_OUTPUT:-1}" == 1 ]]; then
+    local files
+    files="$(cd "$OUT_DIR" && find . -maxdepth 1 -type f ! -name device-run.tgz -printf '%P\n' | sort)"
+    if [[ -n "$files" ]] && (cd "$OUT_DIR" && tar czf device-run.tgz $files); then
+      (cd "$OUT_DIR" && rm -f $files)
+      echo "logs: $OUT_DIR/device-run.tgz"
+    else
+      echo "logs: $OUT_DIR"
+    fi
+  else
+    echo "logs: $OUT_DIR"
+  fi
   ((failed == 0)) || exit 1
   exit 0
 }
