@@ -92,7 +92,6 @@ DeviceMemory nan_output(size_t bytes) {
 
 // ---- kernels for the ceilings and the naive baseline ----------------------------------------
 
-// data[i] = a pseudo-random value in [-1, 1) hashed from (seed, i).
 // Reads n 16-byte words (the L2 flush by reading): the XOR of what a thread read goes to sink only
 // when it is a value the buffer never holds, so that the loads stay and nothing is written.
 __global__ void read_flush_kernel(const uint4* data, size_t n, uint32_t* sink) {
@@ -104,6 +103,7 @@ __global__ void read_flush_kernel(const uint4* data, size_t n, uint32_t* sink) {
   if (x == 0xdeadbeefu) *sink = x;
 }
 
+// data[i] = a pseudo-random value in [-1, 1) hashed from (seed, i).
 __global__ void fill_random_bf16_kernel(__nv_bfloat16* data, size_t n, uint64_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
        i += size_t(gridDim.x) * blockDim.x) {
