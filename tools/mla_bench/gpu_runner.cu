@@ -223,9 +223,11 @@ class GpuRunner final : public Runner {
     BENCH_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
     // Writing twice the L2 size before each timed run evicts whatever the previous run left.
     flush_ = DeviceMemory(std::max<size_t>(2 * size_t(props_.l2CacheSize), size_t(1) << 20));
-    // The read flush reads zeros (the XOR of them never matches the sink's guard value).
-    MLA_CUDA_CHECK(cudaMemset(flush_.get(), 0, flush_.bytes()));
-    MLA_CUDA_CHECK(cudaDeviceSynchronize());
+    if (flush_mode_ == L2Flush::kRead) {
+      // The read flush reads zeros (the XOR of them never matches the sink's guard value).
+      MLA_CUDA_CHECK(cudaMemset(flush_.get(), 0, flush_.bytes()));
+      MLA_CUDA_CHECK(cudaDeviceSynchronize());
+    }
   }
   ~GpuRunner() override {
     cublasDestroy(cublas_);

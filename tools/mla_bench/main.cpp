@@ -263,7 +263,8 @@ int run(int argc, char** argv) {
     runner = make_cpu_runner();
   } else {
 #if defined(MLA_WITH_CUDA)
-    if (o.device == "cuda" || cuda_device_available()) runner = make_cuda_runner(o.flush == "read" ? L2Flush::kRead : L2Flush::kWrite);
+    if (o.device == "cuda" || cuda_device_available())
+      runner = make_cuda_runner(o.flush == "read" ? L2Flush::kRead : L2Flush::kWrite);
 #else
     if (o.device == "cuda") usage_error("--device cuda: this mla-bench was built without CUDA");
 #endif
