@@ -287,14 +287,17 @@ __device__ __forceinline__ void mask_scores(const DecodeParams& p, const ItemRan
 #pragma unroll
     for (int i = 0; i < 32; ++i) tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s[i]);
   } else {
+    // Each row sees keys up to min(kv_end - 1, its causal limit); `last` counts from this
+    // thread's first column (key0 + 2 (lane % 4)), so each element is one compare.
+    int last[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) last[j] = min(r.kv_end - 1, rs.key_limit[j]) - (key0 + 2 * (lane & 3));
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int j = e >> 1;
-        const int key = key0 + n * 8 + 2 * (lane & 3) + (e & 1);
-        const bool seen = key < r.kv_end && key <= rs.key_limit[j];
-        if (!seen) s[4 * n + e] = -INFINITY;
+        if (n * 8 + (e & 1) > last[j]) s[4 * n + e] = -INFINITY;
         tile_max[j] = fmaxf(tile_max[j], s[4 * n + e]);
       }
     }
@@ -353,11 +356,12 @@ __device__ __forceinline__ void store_p(uint8_t* box, const uint32_t (&pk)[8][2]
 // cache may hold NaN there, and 0 * NaN would reach O. Run by one warpgroup (wt = 0..127),
 // followed by a fence and that warpgroup's barrier.
 __device__ __forceinline__ void zero_tail_rows(uint8_t* boxes, int keys, int wt, int bar) {
-  const int chunks = (kBlockN - keys) * 128 / 16;
-  for (int idx = wt; idx < 4 * chunks; idx += 128) {
-    const int box = idx / chunks;
-    *reinterpret_cast<uint4*>(boxes + box * kBoxBytes + keys * 128 + (idx - box * chunks) * 16) =
-        make_uint4(0, 0, 0, 0);
+  const int tail_bytes = (kBlockN - keys) * 128;  // per box, from row `keys` on
+#pragma unroll 1
+  for (int box = 0; box < 4; ++box) {
+    uint8_t* tail = boxes + box * kBoxBytes + keys * 128;
+    for (int off = wt * 16; off < tail_bytes; off += 128 * 16)
+      *reinterpret_cast<uint4*>(tail + off) = make_uint4(0, 0, 0, 0);
   }
   fence_proxy_async();
   named_sync(bar, 128);
