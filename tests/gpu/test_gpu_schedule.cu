@@ -122,6 +122,11 @@ TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
       check_plan({0, 5, 0}, heads, 1, num_parts);         // empty requests still get an item
       check_plan(lengths(256, 5000), heads, 1, num_parts);
       check_plan(lengths(1100, 3000), heads, 1, num_parts);  // more requests than plan threads
+      // The plan's CTA has a warp per 32 requests: one warp full, one request past whole warps
+      // and past the largest CTA.
+      check_plan(lengths(32, 9000), heads, 1, num_parts);
+      check_plan(lengths(97, 4000), heads, 1, num_parts);
+      check_plan(lengths(513, 2000), heads, 1, num_parts);
       check_plan(std::vector<int>(64, 4096), heads, 1, num_parts);
       check_plan(lengths(33, 20000, 2), heads, 2, num_parts);
       check_plan(lengths(5, 70000, 3), heads, 3, num_parts);
