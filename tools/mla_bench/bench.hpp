@@ -148,6 +148,9 @@ struct Measurement {
 struct Ceilings {
   double gemm_tflops = 0;  // large bf16 GEMM (fp32 accumulate) through cuBLAS
   double copy_gbps = 0;    // large device-to-device copy, read + write bytes
+  // An empty one-CTA kernel, timed like every row (events, L2 flushed first): the least any
+  // event-timed launch here can take, launch included (plan_us and the batch-1 rows sit near it).
+  double launch_floor_us = 0;
 };
 
 class Runner {

@@ -64,8 +64,8 @@ void print_header(std::FILE* f, const Report& r) {
   std::fprintf(f, "mla-bench: device %s (%s%s%s), commit %s\n", r.device.c_str(), r.card.c_str(),
                r.driver.empty() ? "" : ", driver ", r.driver.c_str(), r.commit.c_str());
   if (r.ceilings)
-    std::fprintf(f, "ceilings: cuBLAS bf16 GEMM %.1f TFLOP/s, device copy %.1f GB/s\n",
-                 r.ceilings->gemm_tflops, r.ceilings->copy_gbps);
+    std::fprintf(f, "ceilings: cuBLAS bf16 GEMM %.1f TFLOP/s, device copy %.1f GB/s, launch floor %.1f us\n",
+                 r.ceilings->gemm_tflops, r.ceilings->copy_gbps, r.ceilings->launch_floor_us);
   std::fprintf(f, "sweep %s%s%s, %d warm-up + %d timed iterations (median%s%s); prefill rows show the "
                   "mean sequence length as kv_len/q_len\n",
                r.sweep.c_str(), r.part.empty() ? "" : " part ", r.part.c_str(), r.warmup, r.iters,
@@ -120,7 +120,9 @@ void write_json(const std::string& path, const Report& r) {
   if (!r.flush.empty()) os << "  \"flush\": " << json_string(r.flush) << ",\n";
   os << "  \"ceilings\": {\"gemm_tflops\": "
      << (r.ceilings ? json_number(r.ceilings->gemm_tflops) : "null")
-     << ", \"copy_gbps\": " << (r.ceilings ? json_number(r.ceilings->copy_gbps) : "null") << "},\n";
+     << ", \"copy_gbps\": " << (r.ceilings ? json_number(r.ceilings->copy_gbps) : "null")
+     << ", \"launch_floor_us\": " << (r.ceilings ? json_number(r.ceilings->launch_floor_us) : "null")
+     << "},\n";
   os << "  \"rows\": [";
   for (size_t i = 0; i < r.rows.size(); ++i) {
     const Row& row = r.rows[i];
