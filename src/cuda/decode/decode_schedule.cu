@@ -62,6 +62,10 @@ template <typename V>
 __device__ __forceinline__ V shfl_up(V v, int off) {
   return __shfl_up_sync(0xffffffffu, v, off);
 }
+template <typename V>
+__device__ __forceinline__ V shfl_idx(V v, int lane) {
+  return __shfl_sync(0xffffffffu, v, lane);
+}
 
 // Pass 2's counts of one thread's units, scanned together (one block scan instead of four):
 // sums of items, split units and slots, and the largest part of an item (-1: none).
@@ -71,6 +75,10 @@ struct Counts {
 __device__ __forceinline__ Counts shfl_up(Counts v, int off) {
   return {__shfl_up_sync(0xffffffffu, v.items, off), __shfl_up_sync(0xffffffffu, v.splits, off),
           __shfl_up_sync(0xffffffffu, v.slots, off), __shfl_up_sync(0xffffffffu, v.last_part, off)};
+}
+__device__ __forceinline__ Counts shfl_idx(Counts v, int lane) {
+  return {__shfl_sync(0xffffffffu, v.items, lane), __shfl_sync(0xffffffffu, v.splits, lane),
+          __shfl_sync(0xffffffffu, v.slots, lane), __shfl_sync(0xffffffffu, v.last_part, lane)};
 }
 struct CountsOp {
   __device__ Counts operator()(const Counts& a, const Counts& b) const {
@@ -91,6 +99,10 @@ __device__ V block_exclusive_scan(V value, V identity, Op op, V* warp_sums /* [3
   }
   V exclusive = shfl_up(inclusive, 1);
   if (lane == 0) exclusive = identity;
+  if (blockDim.x == 32) {  // one warp (a batch of up to 32): no shared memory, no barriers
+    total = shfl_idx(inclusive, 31);
+    return exclusive;
+  }
   if (lane == 31) warp_sums[warp] = inclusive;
   __syncthreads();
   if (warp == 0) {
@@ -155,7 +167,9 @@ __device__ __forceinline__ UnitCost unit_cost(const RequestGeometry& g, int tile
                                               int num_heads) {
   const int rows = g.q_len * num_heads;
   const int row_end = min(rows, (tile + 1) * block_m);
-  const int visible = tile_visible_keys(g, row_end, num_heads);
+  // The last tile's last row is the request's last query, which sees all kv_len keys (what
+  // tile_visible_keys gives it, without its division).
+  const int visible = row_end == rows ? g.kv_len : tile_visible_keys(g, row_end, num_heads);
   return {(visible + kBlockN - 1) / kBlockN, visible};
 }
 
@@ -192,7 +206,21 @@ __device__ __forceinline__ void write_piece(const PlanParams& pp, const SplitPie
 constexpr int kLongUnitPieces = 8;
 constexpr int kLongUnitQueue = 64;
 
-__global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __grid_constant__ PlanParams pp) {
+// The plan kernel's argument: its parameters and what the host derives from them once (the
+// kernel starts with the first request's loads rather than with divisions).
+struct PlanLaunch {
+  PlanParams pp;
+  // Lanes (decode_params.cuh): with several row tiles per request, plan whole requests over
+  // num_parts / lanes virtual parts; each unit is then costed by its last row tile (the one that
+  // sees the most keys) and run by `lanes` CTAs side by side.
+  int lanes;         // plan_lanes(max_q_len, num_heads, block_m, num_parts)
+  int parts;         // num_parts / lanes
+  int per_thread;    // requests a thread owns (a contiguous range)
+  int block_m_log2;  // block_m is a power of two
+};
+
+__global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __grid_constant__ PlanLaunch launch) {
+  const PlanParams& pp = launch.pp;
   __shared__ long long scan64[33];
   __shared__ Counts scan_counts[33];
   __shared__ int max_unit_cost;
@@ -203,20 +231,24 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
   allow_dependent_launch();  // the decode kernel's CTAs start and wait for this plan
   const int tid = threadIdx.x;
   const int batch = pp.layout.batch_size;
+  const int b_begin = min(batch, tid * launch.per_thread);
+  const int b_end = min(batch, b_begin + launch.per_thread);
+  // The thread's first request (its only one up to 512 requests), read first of all and kept for
+  // the three passes; later ones are read again in each pass.
+  RequestGeometry first_geometry{};
+  if (b_begin < b_end) first_geometry = request_geometry(pp.layout, b_begin);
+  auto geometry = [&](int b) { return b == b_begin ? first_geometry : request_geometry(pp.layout, b); };
   const int num_heads = pp.layout.num_heads;
   const int block_m = pp.block_m;
-  // Lanes (decode_params.cuh): with several row tiles per request, plan whole requests over
-  // num_parts / lanes virtual parts; each unit is then costed by its last row tile (the one that
-  // sees the most keys) and run by `lanes` CTAs side by side.
-  const int lanes = plan_lanes(pp.layout.max_q_len, num_heads, block_m, pp.num_parts);
-  const int parts = pp.num_parts / lanes;
-  // Units of a request with `tiles` row tiles, and the row tile that costs unit t.
+  const int lanes = launch.lanes, parts = launch.parts;
+  const int threads = int(blockDim.x);
+  // row_tiles() by a shift; units of a request with `tiles` row tiles, and the row tile that
+  // costs unit t.
+  auto tiles_of = [&](const RequestGeometry& g) {
+    return (g.q_len * num_heads + block_m - 1) >> launch.block_m_log2;
+  };
   auto units_of = [&](int tiles) { return lanes > 1 ? min(tiles, 1) : tiles; };
   auto cost_tile = [&](int tiles, int t) { return lanes > 1 ? tiles - 1 : t; };
-  const int threads = int(blockDim.x);
-  const int per_thread = (batch + threads - 1) / threads;
-  const int b_begin = min(batch, tid * per_thread);
-  const int b_end = min(batch, b_begin + per_thread);
 
   // Pass 1: cost of this thread's units, and the largest unit.
   if (tid == 0) {
@@ -227,12 +259,19 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
   }
   long long my_cost = 0;
   int my_max = 0, my_min = INT_MAX;
+  // The thread's first unit (request b_begin, t = 0), kept from pass to pass: its cost (pass 1)
+  // and the parts it spans (pass 2). Later units are worked out again in each pass.
+  UnitCost first_cost{0, 0};
+  UnitSpan first_span{0, 0};
+  auto is_first_unit = [&](int b, int t) { return b == b_begin && t == 0; };
 #pragma unroll 1
   for (int b = b_begin; b < b_end; ++b) {
-    const RequestGeometry g = request_geometry(pp.layout, b);
-    const int tiles = row_tiles(g.q_len, num_heads, block_m);
+    const RequestGeometry g = geometry(b);
+    const int tiles = tiles_of(g);
     for (int t = 0; t < units_of(tiles); ++t) {
-      const int cost = unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks + kOverheadBlocks;
+      const UnitCost c = unit_cost(g, cost_tile(tiles, t), block_m, num_heads);
+      if (is_first_unit(b, t)) first_cost = c;
+      const int cost = c.blocks + kOverheadBlocks;
       my_cost += cost;
       my_max = max(my_max, cost);
       my_min = min(my_min, cost);
@@ -290,18 +329,20 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
     long long pos = line_start;
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
-      const RequestGeometry g = request_geometry(pp.layout, b);
-      const int tiles = row_tiles(g.q_len, num_heads, block_m);
+      const RequestGeometry g = geometry(b);
+      const int tiles = tiles_of(g);
       for (int t = 0; t < units_of(tiles); ++t) {
-        const int nb = unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks;
-        int pieces = 1;
+        const bool first = is_first_unit(b, t);
+        const int nb = first ? first_cost.blocks : unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks;
+        UnitSpan span;
         if (nb > 0) {
-          const UnitSpan span = unit_span(pos, pos + lead + nb, payload, snap, parts);
-          pieces = span.part_last - span.part_first + 1;
-          my_last_part = span.part_last;
+          span = unit_span(pos, pos + lead + nb, payload, snap, parts);
         } else {
-          my_last_part = part_of(pos, payload, parts);
+          span.part_first = span.part_last = part_of(pos, payload, parts);
         }
+        if (first) first_span = span;
+        const int pieces = span.part_last - span.part_first + 1;
+        my_last_part = span.part_last;
         my_items += pieces;
         if (pieces > 1) {
           my_splits += 1;
@@ -338,20 +379,20 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
     int item = item_base, split = split_base, slot = slot_base;
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
-      const RequestGeometry g = request_geometry(pp.layout, b);
-      const int tiles = row_tiles(g.q_len, num_heads, block_m);
+      const RequestGeometry g = geometry(b);
+      const int tiles = tiles_of(g);
       for (int t = 0; t < units_of(tiles); ++t) {
-        const UnitCost c = unit_cost(g, cost_tile(tiles, t), block_m, num_heads);
+        const bool first_unit = is_first_unit(b, t);
+        const UnitCost c = first_unit ? first_cost : unit_cost(g, cost_tile(tiles, t), block_m, num_heads);
         const long long first = pos + lead;
         if (c.blocks == 0) {
-          const int part = part_of(pos, payload, parts);
+          const int part = first_unit ? first_span.part_first : part_of(pos, payload, parts);
           if (item < pp.max_items)
             pp.items[item] = WorkItem{b, t, 0, 0, -1, part, g.q_start, g.q_len, g.kv_len, {0, 0, 0}};
           begin_parts(item, part);
           ++item;
         } else {
-          const long long end = first + c.blocks;
-          const UnitSpan span = unit_span(pos, end, payload, snap, parts);
+          const UnitSpan span = first_unit ? first_span : unit_span(pos, first + c.blocks, payload, snap, parts);
           const SplitPieces u{first, g, b, t, c.blocks, c.kv_end, span.part_first, span.part_last,
                               slot, item};
           const int pieces = span.part_last - span.part_first + 1;
@@ -460,7 +501,17 @@ DecodeSchedule layout_schedule(const char* op, int max_batch, int max_q_len, int
 }  // namespace
 
 void launch_plan_kernel(const PlanParams& params, cudaStream_t stream) {
-  plan_decode_kernel<<<1, plan_threads(params.layout.batch_size), 0, stream>>>(params);
+  const int block_m = params.block_m, num_heads = params.layout.num_heads;
+  MLA_CHECK(block_m >= 1 && (block_m & (block_m - 1)) == 0, "plan_decode: row tiles of ", block_m,
+            " rows (expected a power of two)");
+  PlanLaunch launch{};
+  launch.pp = params;
+  launch.lanes = plan_lanes(params.layout.max_q_len, num_heads, block_m, params.num_parts);
+  launch.parts = params.num_parts / launch.lanes;
+  const int threads = plan_threads(params.layout.batch_size);
+  launch.per_thread = (params.layout.batch_size + threads - 1) / threads;
+  while ((1 << launch.block_m_log2) < block_m) ++launch.block_m_log2;
+  plan_decode_kernel<<<1, threads, 0, stream>>>(launch);
   MLA_CUDA_CHECK_LAUNCH();
 }
 
