@@ -169,7 +169,7 @@ std::unique_ptr<Runner> make_cpu_runner();
 #if defined(MLA_WITH_CUDA)
 bool cuda_device_available();
 // How the L2 is emptied before each timed run (see --flush).
-enum class L2Flush : uint8_t { kWrite, kRead };
+enum class L2Flush : uint8_t { kWrite, kRead, kNone };
 std::unique_ptr<Runner> make_cuda_runner(L2Flush flush);
 #endif
 

@@ -425,8 +425,10 @@ class GpuRunner final : public Runner {
   }
 
   // Evicts what the previous run left in L2: by writing twice its size (the L2 then holds dirty
-  // lines, written back as the timed run's own traffic evicts them) or by reading it (clean lines).
+  // lines, written back as the timed run's own traffic evicts them) or by reading it (clean
+  // lines); or, with kNone, leaves it there.
   void flush_l2() {
+    if (flush_mode_ == L2Flush::kNone) return;
     if (flush_mode_ == L2Flush::kWrite) {
       MLA_CUDA_CHECK(cudaMemsetAsync(flush_.get(), flush_value_++ & 0xff, flush_.bytes(), stream_));
       return;

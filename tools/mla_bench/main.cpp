@@ -42,10 +42,11 @@ each result against a float64 naive computation. Without case options it runs --
   --kv-dtype bf16|fp16|fp8 decode: cache and query dtype; prefill: q/k/v dtype (default bf16)
   --tokens N               prefill: total new tokens, split raggedly over --batch requests
                            (default 1024)
-  --flush write|read       cuda: how the L2 is emptied before each run: write (default) fills a
+  --flush write|read|none  cuda: how the L2 is emptied before each run: write (default) fills a
                            buffer of twice the L2 size, which leaves the L2 full of dirty lines
                            that the timed run's traffic must write back first; read reads such a
-                           buffer, which leaves clean lines
+                           buffer, which leaves clean lines; none leaves in L2 what the previous
+                           run left there (its inputs, its outputs and the kernels' code)
   --warmup N               untimed runs per case (default 1 on cpu, 5 on cuda)
   --iters N                timed runs per case; the median is reported (default 3 / 20)
   --seed N                 random seed (default 1)
@@ -119,8 +120,8 @@ Options parse_options(int argc, char** argv) {
       o.sweep = value;
     } else if (arg == "--flush") {
       o.flush = value;
-      if (o.flush != "write" && o.flush != "read")
-        usage_error("--flush expects write or read, got '" + std::string(value) + "'");
+      if (o.flush != "write" && o.flush != "read" && o.flush != "none")
+        usage_error("--flush expects write, read or none, got '" + std::string(value) + "'");
     } else if (arg == "--json") {
       o.json_path = value;
     } else if (arg == "--warmup") {
@@ -264,7 +265,9 @@ int run(int argc, char** argv) {
   } else {
 #if defined(MLA_WITH_CUDA)
     if (o.device == "cuda" || cuda_device_available())
-      runner = make_cuda_runner(o.flush == "read" ? L2Flush::kRead : L2Flush::kWrite);
+      runner = make_cuda_runner(o.flush == "read"   ? L2Flush::kRead
+                                : o.flush == "none" ? L2Flush::kNone
+                                                    : L2Flush::kWrite);
 #else
     if (o.device == "cuda") usage_error("--device cuda: this mla-bench was built without CUDA");
 #endif
