@@ -127,6 +127,12 @@ TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
       check_plan(lengths(32, 9000), heads, 1, num_parts);
       check_plan(lengths(97, 4000), heads, 1, num_parts);
       check_plan(lengths(513, 2000), heads, 1, num_parts);
+      // Several requests a thread with lanes (128 heads, q_len 2: four row tiles), and threads
+      // whose first request is empty (every other one, three a thread).
+      check_plan(lengths(600, 3000, 2), heads, 2, num_parts);
+      std::vector<int> gaps(1030);
+      for (size_t i = 0; i < gaps.size(); ++i) gaps[i] = i % 2 ? 0 : 1 + int(i % 700);
+      check_plan(gaps, heads, 1, num_parts);
       check_plan(std::vector<int>(64, 4096), heads, 1, num_parts);
       check_plan(lengths(33, 20000, 2), heads, 2, num_parts);
       check_plan(lengths(5, 70000, 3), heads, 3, num_parts);

@@ -100,6 +100,9 @@ __device__ V block_exclusive_scan(V value, V identity, Op op, V* warp_sums /* [3
   V exclusive = shfl_up(inclusive, 1);
   if (lane == 0) exclusive = identity;
   if (blockDim.x == 32) {  // one warp (a batch of up to 32): no shared memory, no barriers
+    // The barrier the callers rely on to order their shared-memory atomics before their reads
+    // (max / min unit cost) is, for one warp, this one.
+    __syncwarp();
     total = shfl_idx(inclusive, 31);
     return exclusive;
   }
