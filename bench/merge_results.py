@@ -28,7 +28,7 @@ def main(argv):
             data = json.load(f)
         if first is None:
             first = data
-        # One card, one build, one way of timing (the L2 flush of CUDA runs: write or read).
+        # One card, one build, one way of timing (the L2 flush of CUDA runs: write, read or none).
         for key in ("card", "commit", "device", "flush"):
             if data.get(key) != first.get(key):
                 sys.exit(f"merge_results: {path}: {key} {data.get(key)!r} differs from "

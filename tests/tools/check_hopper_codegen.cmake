@@ -11,7 +11,7 @@
 #     CTAs an SM) nearly full; a spill means a change outgrew it.
 #   - code size (with -DMAX_TEXT_BYTES and -DREADELF): each kernel's machine code (its .text
 #     section in the cubin) at most MAX_TEXT_BYTES. The Hopper kernel's two consumer loops are
-#     ~23 KB each and run from the instruction cache every pair: 9 KB more code (a second copy of
+#     ~19-21 KB each and run from the instruction cache every pair: 9 KB more code (a second copy of
 #     the producer) made it 4-5 % slower with nothing else changed, and ncu's "no instruction"
 #     stalls grew by 40 % (docs/perf-notes.md, eleventh session). The combine kernel runs once a
 #     call from a cold instruction cache. Raise a budget only with a measurement that says the

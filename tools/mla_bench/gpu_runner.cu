@@ -93,7 +93,6 @@ DeviceMemory nan_output(size_t bytes) {
 // ---- kernels for the ceilings and the naive baseline ----------------------------------------
 __global__ void empty_kernel() {}
 
-
 // Reads n 16-byte words (the L2 flush by reading): the XOR of what a thread read goes to sink only
 // when it is a value the buffer never holds, so that the loads stay and nothing is written.
 __global__ void read_flush_kernel(const uint4* data, size_t n, uint32_t* sink) {
@@ -223,8 +222,10 @@ class GpuRunner final : public Runner {
     MLA_CUDA_CHECK(cudaEventCreate(&stop_));
     BENCH_CUBLAS_CHECK(cublasCreate(&cublas_));
     BENCH_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
-    // Writing twice the L2 size before each timed run evicts whatever the previous run left.
-    flush_ = DeviceMemory(std::max<size_t>(2 * size_t(props_.l2CacheSize), size_t(1) << 20));
+    // Writing or reading twice the L2 size before each timed run evicts whatever the previous
+    // run left (flush_l2); without a flush there is no buffer.
+    if (flush_mode_ != L2Flush::kNone)
+      flush_ = DeviceMemory(std::max<size_t>(2 * size_t(props_.l2CacheSize), size_t(1) << 20));
     if (flush_mode_ == L2Flush::kRead) {
       // The read flush reads zeros (the XOR of them never matches the sink's guard value).
       MLA_CUDA_CHECK(cudaMemset(flush_.get(), 0, flush_.bytes()));

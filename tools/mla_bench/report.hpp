@@ -39,7 +39,7 @@ struct Report {
   std::string part;     // "K/N" when only a slice of the cases ran (--part), else empty
   int warmup = 0;
   int iters = 0;
-  std::string flush;    // cuda: the L2 flush before each run ("write" / "read"), else empty
+  std::string flush;    // cuda: the L2 flush before each run ("write" / "read" / "none"), else empty
   std::vector<Row> rows;
 };
 
