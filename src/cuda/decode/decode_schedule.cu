@@ -57,6 +57,21 @@ constexpr int kPlanMaxWarps = kPlanMaxThreads / 32;
 // The plan's CTA size for a batch: one thread a request, whole warps, at most kPlanMaxThreads.
 int plan_threads(int batch) { return std::clamp((batch + 31) / 32 * 32, 32, kPlanMaxThreads); }
 
+// A build with -DMLA_PLAN_TRACE=1 stamps thread 0's %globaltimer after each phase of the plan and
+// prints the phases (ns) when the plan ends: a timeline of one plan, for docs/perf-notes.md.
+#if defined(MLA_PLAN_TRACE) && MLA_PLAN_TRACE
+#include <cstdio>
+__device__ __forceinline__ unsigned long long plan_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__shared__ unsigned long long trace_ns[9];
+#define MLA_PLAN_STAMP(i) (threadIdx.x == 0 ? (void)(trace_ns[i] = plan_globaltimer()) : (void)0)
+#else
+#define MLA_PLAN_STAMP(i) ((void)0)
+#endif
+
 // Shuffles of the scanned values: scalars, and the per-thread counts of pass 2.
 template <typename V>
 __device__ __forceinline__ V shfl_up(V v, int off) {
@@ -133,31 +148,37 @@ struct Plus {
   __device__ V operator()(V a, V b) const { return a + b; }
 };
 
-// a / b for cost-line positions (a >= 0, b >= 1): a 32-bit division when both fit, as they do
-// for any batch that fits in memory today; 64-bit division is a long subroutine on the GPU.
+// Cost-line positions. When the whole line (every unit's cost and the parts' cuts) fits in 31
+// bits, as it does for any batch whose cache fits in memory today, the plan works on it in 32-bit
+// unsigned arithmetic (LinePos = uint32_t); otherwise in 64 bits (long long), where a division
+// is a long subroutine. The plan is one thread's chain of dependent instructions (ncu: ~6 cycles
+// an instruction), so the 32-bit line is what a plan mostly waits for less.
 __device__ __noinline__ long long div_pos_wide(long long a, long long b) { return a / b; }
-__device__ __forceinline__ long long div_pos(long long a, long long b) {
+__device__ __forceinline__ long long div_line(long long a, long long b) {  // a >= 0, b >= 1
   if (((a | b) >> 32) == 0) return (long long)(uint32_t(a) / uint32_t(b));
-  return div_pos_wide(a, b);  // out of line: this kernel runs once, from a cold instruction cache
+  return div_pos_wide(a, b);  // out of line: it runs only for lines past 32 bits
 }
+__device__ __forceinline__ uint32_t div_line(uint32_t a, uint32_t b) { return a / b; }
 
 // The part (CTA) of a position on the cost line: payload cost units a part, the rest to the last.
-__device__ __forceinline__ int part_of(long long position, long long payload, int parts) {
-  const long long q = div_pos(position, payload);
-  return q < parts - 1 ? int(q) : parts - 1;
+template <typename LinePos>
+__device__ __forceinline__ int part_of(LinePos position, LinePos payload, int parts) {
+  const LinePos q = div_line(position, payload);
+  return q < LinePos(parts - 1) ? int(q) : parts - 1;
 }
 
 // The parts a unit spans on the cost line, after snapping cuts near its edges.
 struct UnitSpan {
   int part_first, part_last;
 };
-__device__ __forceinline__ UnitSpan unit_span(long long start, long long end, long long payload,
-                                              long long snap, int parts) {
+template <typename LinePos>
+__device__ __forceinline__ UnitSpan unit_span(LinePos start, LinePos end, LinePos payload,
+                                              LinePos snap, int parts) {
   int first = part_of(start, payload, parts);
-  const long long next_cut = (long long)(first + 1) * payload;
+  const LinePos next_cut = LinePos(first + 1) * payload;
   if (first + 1 <= parts - 1 && next_cut < end && next_cut - start <= snap) ++first;
   int last = max(part_of(end - 1, payload, parts), first);
-  if (last > first && end - (long long)last * payload <= snap) --last;
+  if (last > first && end - LinePos(last) * payload <= snap) --last;
   return {first, last};
 }
 
@@ -184,11 +205,13 @@ struct SplitPieces {
   int request, row_tile, blocks, kv_end;
   int part_first, part_last, slot, item;
 };
+template <typename LinePos>
 __device__ __forceinline__ void write_piece(const PlanParams& pp, const SplitPieces& u, int q,
-                                            long long payload) {
+                                            LinePos payload) {
   const int pieces = u.part_last - u.part_first + 1;
-  const long long lo = q == u.part_first ? 0 : q * payload - u.first;
-  const long long hi = q == u.part_last ? u.blocks : (q + 1) * payload - u.first;
+  const LinePos first = LinePos(u.first);
+  const LinePos lo = q == u.part_first ? 0 : LinePos(q) * payload - first;
+  const LinePos hi = q == u.part_last ? LinePos(u.blocks) : LinePos(q + 1) * payload - first;
   WorkItem w{};
   w.request = u.request;
   w.row_tile = u.row_tile;
@@ -222,81 +245,67 @@ struct PlanLaunch {
   int block_m_log2;  // block_m is a power of two
 };
 
-__global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __grid_constant__ PlanLaunch launch) {
-  const PlanParams& pp = launch.pp;
-  __shared__ long long scan64[33];
-  __shared__ Counts scan_counts[33];
-  __shared__ int max_unit_cost;
-  __shared__ int min_unit_cost;
-  __shared__ SplitPieces long_units[kLongUnitQueue];
-  __shared__ int num_long_units;
-  __shared__ int max_pieces;
-  allow_dependent_launch();  // the decode kernel's CTAs start and wait for this plan
-  const int tid = threadIdx.x;
-  const int batch = pp.layout.batch_size;
-  const int b_begin = min(batch, tid * launch.per_thread);
-  const int b_end = min(batch, b_begin + launch.per_thread);
-  // The thread's first request (its only one up to 512 requests), read first of all and kept for
-  // the three passes; later ones are read again in each pass.
-  RequestGeometry first_geometry{};
-  if (b_begin < b_end) first_geometry = request_geometry(pp.layout, b_begin);
-  auto geometry = [&](int b) { return b == b_begin ? first_geometry : request_geometry(pp.layout, b); };
-  const int num_heads = pp.layout.num_heads;
-  const int block_m = pp.block_m;
-  const int lanes = launch.lanes, parts = launch.parts;
-  const int threads = int(blockDim.x);
+// The 32-bit line is used when the total cost is below 2^31 and the parts below 2^20: every
+// position the plan forms (a cut, (q + 1) * payload for q < parts, with payload at most 5/4 of
+// the even share plus one) then stays below 2^32.
+constexpr long long kNarrowLineCost = 1LL << 31;
+constexpr int kNarrowLineParts = 1 << 20;
+
+// The CTA's shared state.
+struct PlanShared {
+  long long scan64[33];
+  Counts scan_counts[33];
+  SplitPieces long_units[kLongUnitQueue];
+  int max_unit_cost, min_unit_cost, num_long_units, max_pieces;
+};
+
+// A thread's requests [b_begin, b_end) and what it keeps of the first from pass to pass: its
+// geometry and its first unit's cost.
+struct PlanThread {
+  const PlanLaunch* launch;
+  int tid, threads, b_begin, b_end;
+  RequestGeometry first_geometry;
+  UnitCost first_cost;
+
+  __device__ RequestGeometry geometry(int b) const {
+    return b == b_begin ? first_geometry : request_geometry(launch->pp.layout, b);
+  }
   // row_tiles() by a shift; units of a request with `tiles` row tiles, and the row tile that
   // costs unit t.
-  auto tiles_of = [&](const RequestGeometry& g) {
-    return (g.q_len * num_heads + block_m - 1) >> launch.block_m_log2;
-  };
-  auto units_of = [&](int tiles) { return lanes > 1 ? min(tiles, 1) : tiles; };
-  auto cost_tile = [&](int tiles, int t) { return lanes > 1 ? tiles - 1 : t; };
+  __device__ int tiles_of(const RequestGeometry& g) const {
+    return (g.q_len * launch->pp.layout.num_heads + launch->pp.block_m - 1) >> launch->block_m_log2;
+  }
+  __device__ int units_of(int tiles) const { return launch->lanes > 1 ? min(tiles, 1) : tiles; }
+  __device__ int cost_tile(int tiles, int t) const { return launch->lanes > 1 ? tiles - 1 : t; }
+  __device__ UnitCost cost(const RequestGeometry& g, int tiles, int t) const {
+    return unit_cost(g, cost_tile(tiles, t), launch->pp.block_m, launch->pp.layout.num_heads);
+  }
+  __device__ bool is_first_unit(int b, int t) const { return b == b_begin && t == 0; }
+};
 
-  // Pass 1: cost of this thread's units, and the largest unit.
-  if (tid == 0) {
-    max_unit_cost = 0;
-    min_unit_cost = INT_MAX;
-    num_long_units = 0;
-    max_pieces = 1;
-  }
-  long long my_cost = 0;
-  int my_max = 0, my_min = INT_MAX;
-  // The thread's first unit (request b_begin, t = 0), kept from pass to pass: its cost (pass 1)
-  // and the parts it spans (pass 2). Later units are worked out again in each pass.
-  UnitCost first_cost{0, 0};
-  UnitSpan first_span{0, 0};
-  auto is_first_unit = [&](int b, int t) { return b == b_begin && t == 0; };
-#pragma unroll 1
-  for (int b = b_begin; b < b_end; ++b) {
-    const RequestGeometry g = geometry(b);
-    const int tiles = tiles_of(g);
-    for (int t = 0; t < units_of(tiles); ++t) {
-      const UnitCost c = unit_cost(g, cost_tile(tiles, t), block_m, num_heads);
-      if (is_first_unit(b, t)) first_cost = c;
-      const int cost = c.blocks + kOverheadBlocks;
-      my_cost += cost;
-      my_max = max(my_max, cost);
-      my_min = min(my_min, cost);
-    }
-  }
-  __syncthreads();
-  atomicMax(&max_unit_cost, my_max);
-  if (my_min != INT_MAX) atomicMin(&min_unit_cost, my_min);
-  long long total_cost = 0;
-  const long long cost_base = block_exclusive_scan(my_cost, 0LL, Plus{}, scan64, total_cost);
-  const long long even = div_pos(total_cost + parts - 1, parts);
-  long long payload = even < kMinBlocksPerPart ? kMinBlocksPerPart : even;
+// Everything after the first scan: the payload, pass 2 (counts), the second scan, pass 3 (the
+// writes), the long units and the header, on a line of LinePos positions.
+template <typename LinePos>
+__device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, LinePos total_cost,
+                                          LinePos cost_base) {
+  const PlanParams& pp = th.launch->pp;
+  const int parts = th.launch->parts, lanes = th.launch->lanes;
+  const int tid = th.tid, threads = th.threads, b_begin = th.b_begin, b_end = th.b_end;
+  const LinePos even = div_line(LinePos(total_cost + LinePos(parts) - 1), LinePos(parts));
+  LinePos payload = even < LinePos(kMinBlocksPerPart) ? LinePos(kMinBlocksPerPart) : even;
   // Whole units: k = the fewest largest units that cover the even share. When k of them cost at
   // most a quarter of a unit more than the share (one unit: at most 5/4 of the share), the
   // payload grows to k units, so that equal units are never cut: the makespan is the same as
   // with the share (some CTA runs k units either way) and no piece pays for its partial result.
-  const long long k_units = div_pos(even + max_unit_cost - 1, max_unit_cost > 0 ? max_unit_cost : 1);
-  const long long whole = k_units * max_unit_cost;
-  const bool whole_fits = k_units <= 1 ? 4LL * max_unit_cost <= 5LL * even
-                                       : 4LL * (whole - even) <= max_unit_cost;
-  if (whole_fits && whole > payload) payload = whole;
-  long long snap = payload / 8 > kOverheadBlocks ? payload / 8 : kOverheadBlocks;
+  const int max_cost = sh.max_unit_cost;
+  if (max_cost > 0) {
+    const LinePos k_units = div_line(LinePos(even + LinePos(max_cost) - 1), LinePos(max_cost));
+    const LinePos whole = k_units * LinePos(max_cost);
+    const bool whole_fits = k_units <= 1 ? 4LL * max_cost <= 5LL * (long long)even
+                                         : 4LL * ((long long)whole - (long long)even) <= max_cost;
+    if (whole_fits && whole > payload) payload = whole;
+  }
+  LinePos snap = payload / 8 > LinePos(kOverheadBlocks) ? payload / 8 : LinePos(kOverheadBlocks);
   // Equal units (every request the same length): each is cut into the same number of pieces,
   // k = ceil(blocks / payload), of ceil(blocks / k) blocks, each piece a CTA of its own. On the
   // line above the cuts fall wherever the units do: units of 17 cost blocks on a payload of 9
@@ -304,42 +313,47 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
   // line is laid out again with each unit padded to k pieces and no fixed cost on it, so that
   // every unit starts at a cut (lead = 0, advance = k * payload, snap = 0). Only when the n * k
   // pieces fit on the parts; else the line stays as it is.
-  long long lead = kOverheadBlocks;  // line cost before a unit's first key block
-  long long equal_advance = 0;       // line cost of a unit in equal mode (0: the line above)
-  const int unit_total = max_unit_cost;
-  if (unit_total == min_unit_cost && unit_total > kOverheadBlocks) {
-    const long long blocks = unit_total - kOverheadBlocks;
-    const long long n = div_pos(total_cost, unit_total);
-    const long long k = div_pos(blocks + payload - 1, payload);
-    if (n * k <= parts) {
-      payload = div_pos(blocks + k - 1, k);
+  LinePos lead = kOverheadBlocks;  // line cost before a unit's first key block
+  LinePos equal_advance = 0;       // line cost of a unit in equal mode (0: the line above)
+  const int unit_total = max_cost;
+  if (unit_total == sh.min_unit_cost && unit_total > kOverheadBlocks) {
+    const LinePos blocks = LinePos(unit_total - kOverheadBlocks);
+    const LinePos n = div_line(total_cost, LinePos(unit_total));
+    const LinePos k = div_line(LinePos(blocks + payload - 1), payload);
+    if ((long long)n * (long long)k <= parts) {
+      payload = div_line(LinePos(blocks + k - 1), k);
       snap = 0;
       lead = 0;
       equal_advance = k * payload;
     }
   }
+  MLA_PLAN_STAMP(3);
   // This thread's first unit's line position (after the units before it), and how far a unit
   // moves the line.
-  const long long line_start =
-      equal_advance > 0 ? div_pos(cost_base, unit_total) * equal_advance : cost_base;
-  auto advance = [&](int blocks) { return equal_advance > 0 ? equal_advance : blocks + kOverheadBlocks; };
+  const LinePos line_start =
+      equal_advance > 0 ? div_line(cost_base, LinePos(unit_total)) * equal_advance : cost_base;
+  auto advance = [&](int blocks) {
+    return equal_advance > 0 ? equal_advance : LinePos(blocks + kOverheadBlocks);
+  };
 
-  // Pass 2: items, split units and slots of this thread's units.
+  // Pass 2: items, split units and slots of this thread's units; the first unit's parts are kept
+  // for pass 3.
+  UnitSpan first_span{0, 0};
   int my_items = 0, my_splits = 0, my_slots = 0;
   int my_last_part = -1;  // part of this thread's last item
   int my_max_pieces = 1;
   {
-    long long pos = line_start;
+    LinePos pos = line_start;
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
-      const RequestGeometry g = geometry(b);
-      const int tiles = tiles_of(g);
-      for (int t = 0; t < units_of(tiles); ++t) {
-        const bool first = is_first_unit(b, t);
-        const int nb = first ? first_cost.blocks : unit_cost(g, cost_tile(tiles, t), block_m, num_heads).blocks;
+      const RequestGeometry g = th.geometry(b);
+      const int tiles = th.tiles_of(g);
+      for (int t = 0; t < th.units_of(tiles); ++t) {
+        const bool first = th.is_first_unit(b, t);
+        const int nb = first ? th.first_cost.blocks : th.cost(g, tiles, t).blocks;
         UnitSpan span;
         if (nb > 0) {
-          span = unit_span(pos, pos + lead + nb, payload, snap, parts);
+          span = unit_span(pos, LinePos(pos + lead + LinePos(nb)), payload, snap, parts);
         } else {
           span.part_first = span.part_last = part_of(pos, payload, parts);
         }
@@ -356,12 +370,14 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
       }
     }
   }
-  if (my_max_pieces > 1) atomicMax(&max_pieces, my_max_pieces);  // read after the scans' syncs
+  MLA_PLAN_STAMP(4);
+  if (my_max_pieces > 1) atomicMax(&sh.max_pieces, my_max_pieces);  // read after the scans' syncs
   Counts all{};
   const Counts before = block_exclusive_scan(Counts{my_items, my_splits, my_slots, my_last_part},
-                                             Counts{0, 0, 0, -1}, CountsOp{}, scan_counts, all);
+                                             Counts{0, 0, 0, -1}, CountsOp{}, sh.scan_counts, all);
   const int num_items = all.items, num_splits = all.splits, num_slots = all.slots;
   const int last_part = all.last_part;
+  MLA_PLAN_STAMP(5);
   const int item_base = before.items, split_base = before.splits, slot_base = before.slots;
   // Item parts never decrease along the list, so the part of the last item before this thread's
   // first is the largest last part of the threads before it (-1: none).
@@ -378,16 +394,16 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
 
   // Pass 3: write the items and split units.
   {
-    long long pos = line_start;
+    LinePos pos = line_start;
     int item = item_base, split = split_base, slot = slot_base;
 #pragma unroll 1
     for (int b = b_begin; b < b_end; ++b) {
-      const RequestGeometry g = geometry(b);
-      const int tiles = tiles_of(g);
-      for (int t = 0; t < units_of(tiles); ++t) {
-        const bool first_unit = is_first_unit(b, t);
-        const UnitCost c = first_unit ? first_cost : unit_cost(g, cost_tile(tiles, t), block_m, num_heads);
-        const long long first = pos + lead;
+      const RequestGeometry g = th.geometry(b);
+      const int tiles = th.tiles_of(g);
+      for (int t = 0; t < th.units_of(tiles); ++t) {
+        const bool first_unit = th.is_first_unit(b, t);
+        const UnitCost c = first_unit ? th.first_cost : th.cost(g, tiles, t);
+        const LinePos first = pos + lead;
         if (c.blocks == 0) {
           const int part = first_unit ? first_span.part_first : part_of(pos, payload, parts);
           if (item < pp.max_items)
@@ -395,14 +411,16 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
           begin_parts(item, part);
           ++item;
         } else {
-          const UnitSpan span = first_unit ? first_span : unit_span(pos, first + c.blocks, payload, snap, parts);
-          const SplitPieces u{first, g, b, t, c.blocks, c.kv_end, span.part_first, span.part_last,
-                              slot, item};
+          const UnitSpan span =
+              first_unit ? first_span
+                         : unit_span(pos, LinePos(first + LinePos(c.blocks)), payload, snap, parts);
+          const SplitPieces u{(long long)first, g, b, t, c.blocks, c.kv_end, span.part_first,
+                              span.part_last, slot, item};
           const int pieces = span.part_last - span.part_first + 1;
           int queued = -1;
           if (pieces > kLongUnitPieces) {
-            queued = atomicAdd(&num_long_units, 1);
-            if (queued < kLongUnitQueue) long_units[queued] = u;
+            queued = atomicAdd(&sh.num_long_units, 1);
+            if (queued < kLongUnitQueue) sh.long_units[queued] = u;
           }
           if (queued >= 0 && queued < kLongUnitQueue) {
             // Written after pass 3 (items and part_begin of parts part_first + 1 .. part_last).
@@ -429,35 +447,99 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
   }
 #pragma unroll 1
   for (int x = last_part + 1 + tid; x <= parts; x += threads) pp.part_begin[x] = stored_items;
+  MLA_PLAN_STAMP(6);
   __syncthreads();  // the queue of long units is complete
-  const int queued_units = min(num_long_units, kLongUnitQueue);
+  const int queued_units = min(sh.num_long_units, kLongUnitQueue);
   for (int i = 0; i < queued_units; ++i) {
-    const SplitPieces& u = long_units[i];
+    const SplitPieces& u = sh.long_units[i];
 #pragma unroll 1
     for (int q = u.part_first + tid; q <= u.part_last; q += threads) {
       write_piece(pp, u, q, payload);
       if (q > u.part_first) pp.part_begin[q] = min(u.item + (q - u.part_first), stored_items);
     }
   }
+  MLA_PLAN_STAMP(7);
   if (tid == 0) {
     ScheduleHeader h{};
     h.magic = kScheduleMagic;
     h.num_items = stored_items;
     h.num_split_units = min(num_splits, pp.max_split_units);
-    h.block_m = block_m;
-    h.batch_size = batch;
-    h.num_heads = num_heads;
+    h.block_m = pp.block_m;
+    h.batch_size = pp.layout.batch_size;
+    h.num_heads = pp.layout.num_heads;
     h.num_parts = pp.num_parts;
     h.lanes = lanes;
     h.num_slots = num_slots;
-    h.max_pieces = max_pieces;
+    h.max_pieces = sh.max_pieces;
     // A plan that does not fit its workspace (impossible by the capacity bounds above) is
     // marked so that the decode kernel traps instead of producing wrong results.
     if (num_items > pp.max_items || num_splits > pp.max_split_units ||
         int64_t(num_slots) * lanes > pp.max_slots)
       h.magic = 0;
     *pp.header = h;
+#if defined(MLA_PLAN_TRACE) && MLA_PLAN_TRACE
+    MLA_PLAN_STAMP(8);
+    printf("plan-trace batch %d threads %d line %d pass1 %llu scan1 %llu payload %llu pass2 %llu "
+           "scan2 %llu pass3 %llu long %llu header %llu total %llu\n",
+           pp.layout.batch_size, threads, int(sizeof(LinePos) * 8), trace_ns[1] - trace_ns[0],
+           trace_ns[2] - trace_ns[1], trace_ns[3] - trace_ns[2], trace_ns[4] - trace_ns[3],
+           trace_ns[5] - trace_ns[4], trace_ns[6] - trace_ns[5], trace_ns[7] - trace_ns[6],
+           trace_ns[8] - trace_ns[7], trace_ns[8] - trace_ns[0]);
+#endif
   }
+}
+
+__global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __grid_constant__ PlanLaunch launch) {
+  const PlanParams& pp = launch.pp;
+  __shared__ PlanShared sh;
+  allow_dependent_launch();  // the decode kernel's CTAs start and wait for this plan
+  MLA_PLAN_STAMP(0);
+  PlanThread th;
+  th.launch = &launch;
+  th.tid = threadIdx.x;
+  th.threads = int(blockDim.x);
+  const int batch = pp.layout.batch_size;
+  th.b_begin = min(batch, th.tid * launch.per_thread);
+  th.b_end = min(batch, th.b_begin + launch.per_thread);
+  // The thread's first request (its only one up to 512 requests), read first of all and kept for
+  // the three passes; later ones are read again in each pass.
+  th.first_geometry = RequestGeometry{};
+  if (th.b_begin < th.b_end) th.first_geometry = request_geometry(pp.layout, th.b_begin);
+
+  // Pass 1: cost of this thread's units, and the largest unit.
+  if (th.tid == 0) {
+    sh.max_unit_cost = 0;
+    sh.min_unit_cost = INT_MAX;
+    sh.num_long_units = 0;
+    sh.max_pieces = 1;
+  }
+  long long my_cost = 0;
+  int my_max = 0, my_min = INT_MAX;
+  th.first_cost = UnitCost{0, 0};
+#pragma unroll 1
+  for (int b = th.b_begin; b < th.b_end; ++b) {
+    const RequestGeometry g = th.geometry(b);
+    const int tiles = th.tiles_of(g);
+    for (int t = 0; t < th.units_of(tiles); ++t) {
+      const UnitCost c = th.cost(g, tiles, t);
+      if (th.is_first_unit(b, t)) th.first_cost = c;
+      const int cost = c.blocks + kOverheadBlocks;
+      my_cost += cost;
+      my_max = max(my_max, cost);
+      my_min = min(my_min, cost);
+    }
+  }
+  MLA_PLAN_STAMP(1);
+  __syncthreads();
+  atomicMax(&sh.max_unit_cost, my_max);
+  if (my_min != INT_MAX) atomicMin(&sh.min_unit_cost, my_min);
+  long long total_cost = 0;
+  const long long cost_base = block_exclusive_scan(my_cost, 0LL, Plus{}, sh.scan64, total_cost);
+  MLA_PLAN_STAMP(2);
+  if (total_cost < kNarrowLineCost && launch.parts < kNarrowLineParts)
+    plan_line<uint32_t>(th, sh, uint32_t(total_cost), uint32_t(cost_base));
+  else
+    plan_line<long long>(th, sh, total_cost, cost_base);
 }
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
