@@ -136,6 +136,12 @@ TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
       check_plan(std::vector<int>(64, 4096), heads, 1, num_parts);
       check_plan(lengths(33, 20000, 2), heads, 2, num_parts);
       check_plan(lengths(5, 70000, 3), heads, 3, num_parts);
+      // Requests of INT_MAX keys (2^25 blocks each): a line just below 2^31 (63 of them, 32-bit
+      // positions) and just past it (64, 64-bit positions); the last piece ends at INT_MAX.
+      if (heads == 16) {
+        check_plan(std::vector<int>(63, INT_MAX), heads, 1, num_parts);
+        check_plan(std::vector<int>(64, INT_MAX), heads, 1, num_parts);
+      }
     }
   }
 }

@@ -204,7 +204,7 @@ __host__ __device__ inline ItemRange item_range(const BatchLayout& layout, const
   const int visible = tile_visible_keys(r.g, r.row0 + r.valid_rows, layout.num_heads);
   r.kv_end = item.kv_end < visible ? item.kv_end : visible;
   r.kv_begin = item.kv_begin < r.kv_end ? item.kv_begin : r.kv_end;
-  r.num_tiles = (r.kv_end - r.kv_begin + kBlockN - 1) / kBlockN;
+  r.num_tiles = int((unsigned(r.kv_end - r.kv_begin) + kBlockN - 1) / kBlockN);  // INT_MAX keys: no overflow
   return r;
 }
 

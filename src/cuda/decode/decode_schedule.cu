@@ -103,8 +103,13 @@ struct CountsOp {
 
 // Exclusive scan of one value per thread across the CTA (whole warps, at most kPlanMaxWarps)
 // under an associative, commutative `op` with `identity`; `total` gets the reduction of all values.
+// One barrier: each warp's sum goes to warp_sums, and every thread then adds up the sums of the
+// warps before its own (shared-memory loads that do not depend on one another) instead of one
+// warp scanning them between two more barriers. warp_sums is read after the call returns in other
+// warps: each scan of a plan has its own.
 template <typename V, typename Op>
-__device__ V block_exclusive_scan(V value, V identity, Op op, V* warp_sums /* [33] */, V& total) {
+__device__ V block_exclusive_scan(V value, V identity, Op op, V* warp_sums /* [kPlanMaxWarps] */,
+                                  V& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   V inclusive = value;
 #pragma unroll
@@ -122,25 +127,18 @@ __device__ V block_exclusive_scan(V value, V identity, Op op, V* warp_sums /* [3
     return exclusive;
   }
   if (lane == 31) warp_sums[warp] = inclusive;
+  const int warps = int(blockDim.x >> 5);
+  if (int(threadIdx.x) >= warps && threadIdx.x < kPlanMaxWarps) warp_sums[threadIdx.x] = identity;
   __syncthreads();
-  if (warp == 0) {
-    const V w = lane < int(blockDim.x >> 5) ? warp_sums[lane] : identity;  // absent warps: identity
-    V w_inclusive = w;
+  V before = identity, all = identity;  // no branches: absent warps hold the identity
 #pragma unroll
-    for (int off = 1; off < kPlanMaxWarps; off <<= 1) {
-      const V up = shfl_up(w_inclusive, off);
-      if (lane >= off) w_inclusive = op(up, w_inclusive);
-    }
-    V w_exclusive = shfl_up(w_inclusive, 1);
-    if (lane == 0) w_exclusive = identity;
-    warp_sums[lane] = w_exclusive;
-    if (lane == kPlanMaxWarps - 1) warp_sums[32] = w_inclusive;
+  for (int w = 0; w < kPlanMaxWarps; ++w) {
+    const V sum = warp_sums[w];
+    before = op(before, w < warp ? sum : identity);
+    all = op(all, sum);
   }
-  __syncthreads();
-  const V result = op(warp_sums[warp], exclusive);
-  total = warp_sums[32];
-  __syncthreads();  // warp_sums may be reused by the next scan
-  return result;
+  total = all;
+  return op(before, exclusive);
 }
 
 struct Plus {
@@ -194,7 +192,7 @@ __device__ __forceinline__ UnitCost unit_cost(const RequestGeometry& g, int tile
   // The last tile's last row is the request's last query, which sees all kv_len keys (what
   // tile_visible_keys gives it, without its division).
   const int visible = row_end == rows ? g.kv_len : tile_visible_keys(g, row_end, num_heads);
-  return {(visible + kBlockN - 1) / kBlockN, visible};
+  return {int((unsigned(visible) + kBlockN - 1) / kBlockN), visible};  // INT_MAX keys: no overflow
 }
 
 // A split unit's piece q: the blocks between the cuts that bound part q (the unit's edges for its
@@ -218,8 +216,9 @@ __device__ __forceinline__ void write_piece(const PlanParams& pp, const SplitPie
   w.q_start = u.g.q_start;
   w.q_len = u.g.q_len;
   w.kv_len = u.g.kv_len;
-  w.kv_begin = int(lo) * kBlockN;
-  w.kv_end = min(int(hi) * kBlockN, u.kv_end);
+  // In 64 bits: a request of INT_MAX keys has 2^25 blocks, and 2^25 * kBlockN is past INT_MAX.
+  w.kv_begin = int(min((long long)lo * kBlockN, (long long)u.kv_end));
+  w.kv_end = int(min((long long)hi * kBlockN, (long long)u.kv_end));
   w.slot = pieces > 1 ? u.slot + (q - u.part_first) : -1;
   w.part = q;
   const int item = u.item + (q - u.part_first);
@@ -253,8 +252,8 @@ constexpr int kNarrowLineParts = 1 << 20;
 
 // The CTA's shared state.
 struct PlanShared {
-  long long scan64[33];
-  Counts scan_counts[33];
+  long long scan64[kPlanMaxWarps];
+  Counts scan_counts[kPlanMaxWarps];
   SplitPieces long_units[kLongUnitQueue];
   int max_unit_cost, min_unit_cost, num_long_units, max_pieces;
 };
@@ -283,14 +282,35 @@ struct PlanThread {
   __device__ bool is_first_unit(int b, int t) const { return b == b_begin && t == 0; }
 };
 
+// Calls f(b, t, g, tiles, first) for each unit (request b, row tile t) of the thread, in line
+// order; `first` marks the thread's first unit, whose cost the thread keeps. kOneUnit: the host
+// found that a thread has at most one request and a request at most one unit (lanes, or one row
+// tile a request): then the unit is the thread's first request's, if it has queries, with no
+// loops around it (a plan is one thread's chain of dependent instructions: loops and the branches
+// around them are on it).
+template <bool kOneUnit, typename F>
+__device__ __forceinline__ void for_each_unit(const PlanThread& th, F&& f) {
+  if constexpr (kOneUnit) {
+    if (th.b_begin < th.b_end && th.first_geometry.q_len > 0)
+      f(th.b_begin, 0, th.first_geometry, th.tiles_of(th.first_geometry), true);
+  } else {
+#pragma unroll 1
+    for (int b = th.b_begin; b < th.b_end; ++b) {
+      const RequestGeometry g = th.geometry(b);
+      const int tiles = th.tiles_of(g);
+      for (int t = 0; t < th.units_of(tiles); ++t) f(b, t, g, tiles, th.is_first_unit(b, t));
+    }
+  }
+}
+
 // Everything after the first scan: the payload, pass 2 (counts), the second scan, pass 3 (the
 // writes), the long units and the header, on a line of LinePos positions.
-template <typename LinePos>
+template <bool kOneUnit, typename LinePos>
 __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, LinePos total_cost,
                                           LinePos cost_base) {
   const PlanParams& pp = th.launch->pp;
   const int parts = th.launch->parts, lanes = th.launch->lanes;
-  const int tid = th.tid, threads = th.threads, b_begin = th.b_begin, b_end = th.b_end;
+  const int tid = th.tid, threads = th.threads;
   const LinePos even = div_line(LinePos(total_cost + LinePos(parts) - 1), LinePos(parts));
   LinePos payload = even < LinePos(kMinBlocksPerPart) ? LinePos(kMinBlocksPerPart) : even;
   // Whole units: k = the fewest largest units that cover the even share. When k of them cost at
@@ -344,31 +364,25 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
   int my_max_pieces = 1;
   {
     LinePos pos = line_start;
-#pragma unroll 1
-    for (int b = b_begin; b < b_end; ++b) {
-      const RequestGeometry g = th.geometry(b);
-      const int tiles = th.tiles_of(g);
-      for (int t = 0; t < th.units_of(tiles); ++t) {
-        const bool first = th.is_first_unit(b, t);
-        const int nb = first ? th.first_cost.blocks : th.cost(g, tiles, t).blocks;
-        UnitSpan span;
-        if (nb > 0) {
-          span = unit_span(pos, LinePos(pos + lead + LinePos(nb)), payload, snap, parts);
-        } else {
-          span.part_first = span.part_last = part_of(pos, payload, parts);
-        }
-        if (first) first_span = span;
-        const int pieces = span.part_last - span.part_first + 1;
-        my_last_part = span.part_last;
-        my_items += pieces;
-        if (pieces > 1) {
-          my_splits += 1;
-          my_slots += pieces;
-          my_max_pieces = max(my_max_pieces, pieces);
-        }
-        pos += advance(nb);
+    for_each_unit<kOneUnit>(th, [&](int, int t, const RequestGeometry& g, int tiles, bool first) {
+      const int nb = first ? th.first_cost.blocks : th.cost(g, tiles, t).blocks;
+      UnitSpan span;
+      if (nb > 0) {
+        span = unit_span(pos, LinePos(pos + lead + LinePos(nb)), payload, snap, parts);
+      } else {
+        span.part_first = span.part_last = part_of(pos, payload, parts);
       }
-    }
+      if (first) first_span = span;
+      const int pieces = span.part_last - span.part_first + 1;
+      my_last_part = span.part_last;
+      my_items += pieces;
+      if (pieces > 1) {
+        my_splits += 1;
+        my_slots += pieces;
+        my_max_pieces = max(my_max_pieces, pieces);
+      }
+      pos += advance(nb);
+    });
   }
   MLA_PLAN_STAMP(4);
   if (my_max_pieces > 1) atomicMax(&sh.max_pieces, my_max_pieces);  // read after the scans' syncs
@@ -396,54 +410,48 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
   {
     LinePos pos = line_start;
     int item = item_base, split = split_base, slot = slot_base;
-#pragma unroll 1
-    for (int b = b_begin; b < b_end; ++b) {
-      const RequestGeometry g = th.geometry(b);
-      const int tiles = th.tiles_of(g);
-      for (int t = 0; t < th.units_of(tiles); ++t) {
-        const bool first_unit = th.is_first_unit(b, t);
-        const UnitCost c = first_unit ? th.first_cost : th.cost(g, tiles, t);
-        const LinePos first = pos + lead;
-        if (c.blocks == 0) {
-          const int part = first_unit ? first_span.part_first : part_of(pos, payload, parts);
-          if (item < pp.max_items)
-            pp.items[item] = WorkItem{b, t, 0, 0, -1, part, g.q_start, g.q_len, g.kv_len, {0, 0, 0}};
-          begin_parts(item, part);
-          ++item;
+    for_each_unit<kOneUnit>(th, [&](int b, int t, const RequestGeometry& g, int tiles, bool first_unit) {
+      const UnitCost c = first_unit ? th.first_cost : th.cost(g, tiles, t);
+      const LinePos first = pos + lead;
+      if (c.blocks == 0) {
+        const int part = first_unit ? first_span.part_first : part_of(pos, payload, parts);
+        if (item < pp.max_items)
+          pp.items[item] = WorkItem{b, t, 0, 0, -1, part, g.q_start, g.q_len, g.kv_len, {0, 0, 0}};
+        begin_parts(item, part);
+        ++item;
+      } else {
+        const UnitSpan span =
+            first_unit ? first_span
+                       : unit_span(pos, LinePos(first + LinePos(c.blocks)), payload, snap, parts);
+        const SplitPieces u{(long long)first, g, b, t, c.blocks, c.kv_end, span.part_first,
+                            span.part_last, slot, item};
+        const int pieces = span.part_last - span.part_first + 1;
+        int queued = -1;
+        if (pieces > kLongUnitPieces) {
+          queued = atomicAdd(&sh.num_long_units, 1);
+          if (queued < kLongUnitQueue) sh.long_units[queued] = u;
+        }
+        if (queued >= 0 && queued < kLongUnitQueue) {
+          // Written after pass 3 (items and part_begin of parts part_first + 1 .. part_last).
+          begin_parts(item, span.part_first);
+          prev_part = span.part_last;
         } else {
-          const UnitSpan span =
-              first_unit ? first_span
-                         : unit_span(pos, LinePos(first + LinePos(c.blocks)), payload, snap, parts);
-          const SplitPieces u{(long long)first, g, b, t, c.blocks, c.kv_end, span.part_first,
-                              span.part_last, slot, item};
-          const int pieces = span.part_last - span.part_first + 1;
-          int queued = -1;
-          if (pieces > kLongUnitPieces) {
-            queued = atomicAdd(&sh.num_long_units, 1);
-            if (queued < kLongUnitQueue) sh.long_units[queued] = u;
-          }
-          if (queued >= 0 && queued < kLongUnitQueue) {
-            // Written after pass 3 (items and part_begin of parts part_first + 1 .. part_last).
-            begin_parts(item, span.part_first);
-            prev_part = span.part_last;
-          } else {
 #pragma unroll 1
-            for (int q = span.part_first; q <= span.part_last; ++q) {
-              write_piece(pp, u, q, payload);
-              begin_parts(item + (q - span.part_first), q);
-            }
-          }
-          item += pieces;
-          if (pieces > 1) {
-            if (split < pp.max_split_units)
-              pp.split_units[split] = SplitUnit{b, t, slot, pieces, g.q_start, g.q_len, g.kv_len, 0};
-            ++split;
-            slot += pieces;
+          for (int q = span.part_first; q <= span.part_last; ++q) {
+            write_piece(pp, u, q, payload);
+            begin_parts(item + (q - span.part_first), q);
           }
         }
-        pos += advance(c.blocks);
+        item += pieces;
+        if (pieces > 1) {
+          if (split < pp.max_split_units)
+            pp.split_units[split] = SplitUnit{b, t, slot, pieces, g.q_start, g.q_len, g.kv_len, 0};
+          ++split;
+          slot += pieces;
+        }
       }
-    }
+      pos += advance(c.blocks);
+    });
   }
 #pragma unroll 1
   for (int x = last_part + 1 + tid; x <= parts; x += threads) pp.part_begin[x] = stored_items;
@@ -489,6 +497,15 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
   }
 }
 
+// The 64-bit line, out of line: it runs only for totals past 2^31 and stays out of the way of
+// the 32-bit line's code.
+template <bool kOneUnit>
+__device__ __noinline__ void plan_line_wide(const PlanThread& th, PlanShared& sh, long long total_cost,
+                                            long long cost_base) {
+  plan_line<kOneUnit, long long>(th, sh, total_cost, cost_base);
+}
+
+template <bool kOneUnit>
 __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __grid_constant__ PlanLaunch launch) {
   const PlanParams& pp = launch.pp;
   __shared__ PlanShared sh;
@@ -516,19 +533,20 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
   long long my_cost = 0;
   int my_max = 0, my_min = INT_MAX;
   th.first_cost = UnitCost{0, 0};
-#pragma unroll 1
-  for (int b = th.b_begin; b < th.b_end; ++b) {
-    const RequestGeometry g = th.geometry(b);
-    const int tiles = th.tiles_of(g);
-    for (int t = 0; t < th.units_of(tiles); ++t) {
-      const UnitCost c = th.cost(g, tiles, t);
-      if (th.is_first_unit(b, t)) th.first_cost = c;
-      const int cost = c.blocks + kOverheadBlocks;
-      my_cost += cost;
-      my_max = max(my_max, cost);
-      my_min = min(my_min, cost);
+  for_each_unit<kOneUnit>(th, [&](int, int t, const RequestGeometry& g, int tiles, bool first) {
+    UnitCost c;
+    if constexpr (kOneUnit) {
+      // The unit is costed by the request's last row tile, whose last row sees all its keys.
+      c = UnitCost{int((unsigned(g.kv_len) + kBlockN - 1) / kBlockN), g.kv_len};
+    } else {
+      c = th.cost(g, tiles, t);
     }
-  }
+    if (first) th.first_cost = c;
+    const int cost = c.blocks + kOverheadBlocks;
+    my_cost += cost;
+    my_max = max(my_max, cost);
+    my_min = min(my_min, cost);
+  });
   MLA_PLAN_STAMP(1);
   __syncthreads();
   atomicMax(&sh.max_unit_cost, my_max);
@@ -537,9 +555,9 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
   const long long cost_base = block_exclusive_scan(my_cost, 0LL, Plus{}, sh.scan64, total_cost);
   MLA_PLAN_STAMP(2);
   if (total_cost < kNarrowLineCost && launch.parts < kNarrowLineParts)
-    plan_line<uint32_t>(th, sh, uint32_t(total_cost), uint32_t(cost_base));
+    plan_line<kOneUnit, uint32_t>(th, sh, uint32_t(total_cost), uint32_t(cost_base));
   else
-    plan_line<long long>(th, sh, total_cost, cost_base);
+    plan_line_wide<kOneUnit>(th, sh, total_cost, cost_base);
 }
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -596,7 +614,14 @@ void launch_plan_kernel(const PlanParams& params, cudaStream_t stream) {
   const int threads = plan_threads(params.layout.batch_size);
   launch.per_thread = (params.layout.batch_size + threads - 1) / threads;
   while ((1 << launch.block_m_log2) < block_m) ++launch.block_m_log2;
-  plan_decode_kernel<<<1, threads, 0, stream>>>(launch);
+  // One unit a thread (a request a thread, and one unit a request: lanes, or one row tile a
+  // request): the plan without loops.
+  const bool one_unit = launch.per_thread == 1 &&
+                        (launch.lanes > 1 || row_tiles(params.layout.max_q_len, num_heads, block_m) <= 1);
+  if (one_unit)
+    plan_decode_kernel<true><<<1, threads, 0, stream>>>(launch);
+  else
+    plan_decode_kernel<false><<<1, threads, 0, stream>>>(launch);
   MLA_CUDA_CHECK_LAUNCH();
 }
 
