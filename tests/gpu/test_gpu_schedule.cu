@@ -192,6 +192,36 @@ cuda::decode::RequestGeometry expected_geometry(const cuda::decode::BatchLayout&
 // call's clamps applied again, and what the call reads from the layout itself, both follow the
 // rules, for every kind of bad metadata the clamps exist for. A host-only test: it runs without
 // a GPU.
+TEST(DecodeGeometry, DivisionByMagicIsExact) {
+  using cuda::decode::div_by_magic;
+  using cuda::decode::division_magic;
+  std::mt19937 rng(5);
+  auto check = [&](uint32_t n, uint32_t d) {
+    ASSERT_EQ(div_by_magic(n, d, division_magic(d)), n / d) << n << " / " << d;
+  };
+  const uint32_t edges[] = {0u, 1u, 2u, 63u, 64u, 65u, 0x7fffffffu, 0x80000000u, 0x80000001u,
+                            0xfffffffeu, 0xffffffffu};
+  for (uint32_t d = 1; d <= 3000; ++d) {
+    for (uint32_t n : edges) check(n, d);
+    for (uint32_t k = 0; k < 40; ++k) {  // multiples of d and their neighbours, and random n
+      const uint32_t m = d * uint32_t(uint64_t(rng()) % (uint64_t(0xffffffffu / d) + 1));
+      check(m, d);
+      if (m > 0) check(m - 1, d);
+      if (m < 0xffffffffu) check(m + 1, d);
+      check(rng(), d);
+    }
+  }
+  for (int trial = 0; trial < 200000; ++trial) {
+    const uint32_t d = 1 + rng() % 0xffffffffu;
+    check(rng(), d);
+    check(d, d);
+    check(d - 1, d);
+    for (uint32_t n : edges) check(n, d);
+  }
+  for (uint32_t shift = 0; shift < 32; ++shift)  // powers of two, where the magic is one short
+    for (uint32_t n : edges) check(n, 1u << shift);
+}
+
 TEST(DecodeGeometry, ItemGeometryMatchesTheLayout) {
   using cuda::decode::BatchLayout;
   using cuda::decode::RequestGeometry;

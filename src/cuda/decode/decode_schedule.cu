@@ -53,6 +53,7 @@ namespace {
 
 constexpr int kPlanMaxThreads = 512;
 constexpr int kPlanMaxWarps = kPlanMaxThreads / 32;
+static_assert((kPlanMaxWarps & (kPlanMaxWarps - 1)) == 0, "the scans index warp sums by a mask");
 
 // The plan's CTA size for a batch: one thread a request, whole warps, at most kPlanMaxThreads.
 int plan_threads(int batch) { return std::clamp((batch + 31) / 32 * 32, 32, kPlanMaxThreads); }
@@ -103,10 +104,9 @@ struct CountsOp {
 
 // Exclusive scan of one value per thread across the CTA (whole warps, at most kPlanMaxWarps)
 // under an associative, commutative `op` with `identity`; `total` gets the reduction of all values.
-// One barrier: each warp's sum goes to warp_sums, and every thread then adds up the sums of the
-// warps before its own (shared-memory loads that do not depend on one another) instead of one
-// warp scanning them between two more barriers. warp_sums is read after the call returns in other
-// warps: each scan of a plan has its own.
+// One barrier: each warp's sum goes to warp_sums, and every warp then scans the (at most
+// kPlanMaxWarps) sums itself, instead of one warp scanning them between two more barriers.
+// warp_sums is read after the call returns in other warps: each scan of a plan has its own.
 template <typename V, typename Op>
 __device__ V block_exclusive_scan(V value, V identity, Op op, V* warp_sums /* [kPlanMaxWarps] */,
                                   V& total) {
@@ -130,15 +130,17 @@ __device__ V block_exclusive_scan(V value, V identity, Op op, V* warp_sums /* [k
   const int warps = int(blockDim.x >> 5);
   if (int(threadIdx.x) >= warps && threadIdx.x < kPlanMaxWarps) warp_sums[threadIdx.x] = identity;
   __syncthreads();
-  V before = identity, all = identity;  // no branches: absent warps hold the identity
+  // Lane l holds warp l's sum (absent warps: the identity; lanes past kPlanMaxWarps repeat the
+  // first ones and are never read), scanned across the lanes.
+  V w_inclusive = warp_sums[lane & (kPlanMaxWarps - 1)];
 #pragma unroll
-  for (int w = 0; w < kPlanMaxWarps; ++w) {
-    const V sum = warp_sums[w];
-    before = op(before, w < warp ? sum : identity);
-    all = op(all, sum);
+  for (int off = 1; off < kPlanMaxWarps; off <<= 1) {
+    const V up = shfl_up(w_inclusive, off);
+    if (lane >= off) w_inclusive = op(up, w_inclusive);
   }
-  total = all;
-  return op(before, exclusive);
+  const V before = shfl_idx(w_inclusive, warp > 0 ? warp - 1 : 0);
+  total = shfl_idx(w_inclusive, kPlanMaxWarps - 1);
+  return warp > 0 ? op(before, exclusive) : exclusive;
 }
 
 struct Plus {
@@ -242,6 +244,7 @@ struct PlanLaunch {
   int parts;         // num_parts / lanes
   int per_thread;    // requests a thread owns (a contiguous range)
   int block_m_log2;  // block_m is a power of two
+  uint32_t parts_magic;  // division_magic(parts): the even share without a division
 };
 
 // The 32-bit line is used when the total cost is below 2^31 and the parts below 2^20: every
@@ -311,7 +314,11 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
   const PlanParams& pp = th.launch->pp;
   const int parts = th.launch->parts, lanes = th.launch->lanes;
   const int tid = th.tid, threads = th.threads;
-  const LinePos even = div_line(LinePos(total_cost + LinePos(parts) - 1), LinePos(parts));
+  LinePos even;
+  if constexpr (sizeof(LinePos) == 4)  // below 2^31 + 2^20: no wrap
+    even = div_by_magic(total_cost + LinePos(parts) - 1, uint32_t(parts), th.launch->parts_magic);
+  else
+    even = div_line(LinePos(total_cost + LinePos(parts) - 1), LinePos(parts));
   LinePos payload = even < LinePos(kMinBlocksPerPart) ? LinePos(kMinBlocksPerPart) : even;
   // Whole units: k = the fewest largest units that cover the even share. When k of them cost at
   // most a quarter of a unit more than the share (one unit: at most 5/4 of the share), the
@@ -500,8 +507,8 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
 // The 64-bit line, out of line: it runs only for totals past 2^31 and stays out of the way of
 // the 32-bit line's code.
 template <bool kOneUnit>
-__device__ __noinline__ void plan_line_wide(const PlanThread& th, PlanShared& sh, long long total_cost,
-                                            long long cost_base) {
+__device__ __noinline__ void plan_line_wide(const PlanThread th, PlanShared& sh, long long total_cost,
+                                            long long cost_base) {  // th by value: kept in registers
   plan_line<kOneUnit, long long>(th, sh, total_cost, cost_base);
 }
 
@@ -614,6 +621,7 @@ void launch_plan_kernel(const PlanParams& params, cudaStream_t stream) {
   const int threads = plan_threads(params.layout.batch_size);
   launch.per_thread = (params.layout.batch_size + threads - 1) / threads;
   while ((1 << launch.block_m_log2) < block_m) ++launch.block_m_log2;
+  launch.parts_magic = division_magic(uint32_t(launch.parts));
   // One unit a thread (a request a thread, and one unit a request: lanes, or one row tile a
   // request): the plan without loops.
   const bool one_unit = launch.per_thread == 1 &&
