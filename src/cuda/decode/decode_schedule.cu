@@ -342,6 +342,7 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
   // pieces fit on the parts; else the line stays as it is.
   LinePos lead = kOverheadBlocks;  // line cost before a unit's first key block
   LinePos equal_advance = 0;       // line cost of a unit in equal mode (0: the line above)
+  LinePos equal_pieces = 0;        // pieces of a unit in equal mode (at most)
   const int unit_total = max_cost;
   if (unit_total == sh.min_unit_cost && unit_total > kOverheadBlocks) {
     const LinePos blocks = LinePos(unit_total - kOverheadBlocks);
@@ -352,8 +353,17 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
       snap = 0;
       lead = 0;
       equal_advance = k * payload;
+      equal_pieces = k;
     }
   }
+  // Whether some unit may take more than kLongUnitPieces pieces, and so be written by the whole
+  // CTA behind a barrier after pass 3: in equal mode a unit takes at most k; on the line a unit
+  // of cost c spans at most ceil((c - 1) / payload) + 1 parts wherever it starts, at most
+  // kLongUnitPieces when c <= (kLongUnitPieces - 1) * payload + 1. Without such units, no
+  // barrier: thread 0 writes the header as soon as its own writes are done.
+  const bool may_have_long_units =
+      equal_advance > 0 ? equal_pieces > LinePos(kLongUnitPieces)
+                        : (long long)max_cost > (long long)(kLongUnitPieces - 1) * (long long)payload + 1;
   MLA_PLAN_STAMP(3);
   // This thread's first unit's line position (after the units before it), and how far a unit
   // moves the line.
@@ -434,7 +444,7 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
                             span.part_last, slot, item};
         const int pieces = span.part_last - span.part_first + 1;
         int queued = -1;
-        if (pieces > kLongUnitPieces) {
+        if (may_have_long_units && pieces > kLongUnitPieces) {  // else: written here, whatever the bound
           queued = atomicAdd(&sh.num_long_units, 1);
           if (queued < kLongUnitQueue) sh.long_units[queued] = u;
         }
@@ -463,14 +473,16 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
 #pragma unroll 1
   for (int x = last_part + 1 + tid; x <= parts; x += threads) pp.part_begin[x] = stored_items;
   MLA_PLAN_STAMP(6);
-  __syncthreads();  // the queue of long units is complete
-  const int queued_units = min(sh.num_long_units, kLongUnitQueue);
-  for (int i = 0; i < queued_units; ++i) {
-    const SplitPieces& u = sh.long_units[i];
+  if (may_have_long_units) {  // the same for every thread
+    __syncthreads();  // the queue of long units is complete
+    const int queued_units = min(sh.num_long_units, kLongUnitQueue);
+    for (int i = 0; i < queued_units; ++i) {
+      const SplitPieces& u = sh.long_units[i];
 #pragma unroll 1
-    for (int q = u.part_first + tid; q <= u.part_last; q += threads) {
-      write_piece(pp, u, q, payload);
-      if (q > u.part_first) pp.part_begin[q] = min(u.item + (q - u.part_first), stored_items);
+      for (int q = u.part_first + tid; q <= u.part_last; q += threads) {
+        write_piece(pp, u, q, payload);
+        if (q > u.part_first) pp.part_begin[q] = min(u.item + (q - u.part_first), stored_items);
+      }
     }
   }
   MLA_PLAN_STAMP(7);
