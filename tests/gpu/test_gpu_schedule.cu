@@ -22,6 +22,7 @@ namespace {
 
 using cuda::decode::kScheduleMagic;
 using cuda::decode::ScheduleHeader;
+using cuda::decode::SplitUnit;
 using cuda::decode::WorkItem;
 
 // `count` values of T at byte `offset` of a downloaded buffer.
@@ -105,6 +106,44 @@ void check_plan(const std::vector<int>& kv_lens, int heads, int q_len, int num_p
   }
   if (pieces_each > 0)
     for (int p = 0; p < parts; ++p) EXPECT_LE(begin[size_t(p) + 1] - begin[size_t(p)], 1) << "part " << p;
+
+  // Split units: one for each unit of several pieces, whose pieces hold consecutive slots from
+  // its slot_begin; the slots of all split units are distinct and number num_slots; the combine
+  // reads the same geometry as the items.
+  const std::vector<SplitUnit> splits =
+      read_at<SplitUnit>(ws_host, s.split_units_offset, size_t(std::max(h.num_split_units, 0)));
+  std::map<std::pair<int, int>, SplitUnit> split_of;
+  for (const SplitUnit& u : splits) {
+    ASSERT_TRUE(split_of.emplace(std::make_pair(u.request, u.row_tile), u).second)
+        << "request " << u.request << " row tile " << u.row_tile << " split twice";
+  }
+  std::vector<int> slot_used(size_t(std::max(h.num_slots, 0)), 0);
+  int split_units = 0;
+  for (const auto& [key, pieces] : units) {
+    if (pieces.size() == 1) {
+      EXPECT_EQ(split_of.count(key), 0u) << "request " << key.first << ": one piece, no split unit";
+      continue;
+    }
+    ++split_units;
+    const auto found = split_of.find(key);
+    ASSERT_NE(found, split_of.end()) << "request " << key.first << ": " << pieces.size()
+                                     << " pieces but no split unit";
+    const SplitUnit& u = found->second;
+    EXPECT_EQ(u.num_pieces, int(pieces.size()));
+    EXPECT_LE(u.num_pieces, h.max_pieces);
+    EXPECT_EQ(u.q_start, pieces.front().q_start);
+    EXPECT_EQ(u.q_len, pieces.front().q_len);
+    EXPECT_EQ(u.kv_len, pieces.front().kv_len);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const int slot = pieces[i].slot;
+      EXPECT_EQ(slot, u.slot_begin + int(i)) << "request " << key.first << " piece " << i;
+      ASSERT_GE(slot, 0);
+      ASSERT_LT(slot, h.num_slots);
+      EXPECT_EQ(slot_used[size_t(slot)]++, 0) << "slot " << slot << " used twice";
+    }
+  }
+  EXPECT_EQ(h.num_split_units, split_units);
+  for (size_t i = 0; i < slot_used.size(); ++i) EXPECT_EQ(slot_used[i], 1) << "slot " << i << " unused";
 }
 
 TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
