@@ -180,6 +180,9 @@ TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
       if (heads == 16) {
         check_plan(std::vector<int>(63, INT_MAX), heads, 1, num_parts);
         check_plan(std::vector<int>(64, INT_MAX), heads, 1, num_parts);
+        // The kernel with loops (two row tiles a request and one lane when the parts are fewer
+        // than the tiles): a row tile before the last one of an INT_MAX request.
+        if (num_parts == 1) check_plan({INT_MAX, INT_MAX - 1, 5}, heads, 5, num_parts);
       }
     }
   }
@@ -227,10 +230,9 @@ cuda::decode::RequestGeometry expected_geometry(const cuda::decode::BatchLayout&
   return g;
 }
 
-// The geometry a work item carries (read by the plan with no token or key limit) with the decode
-// call's clamps applied again, and what the call reads from the layout itself, both follow the
-// rules, for every kind of bad metadata the clamps exist for. A host-only test: it runs without
-// a GPU.
+// div_by_magic against the division, host-only: the host branch forms umulhi with a 64-bit
+// multiply, the device branch with __umulhi; the arithmetic (the estimate and its one correction)
+// is the same.
 TEST(DecodeGeometry, DivisionByMagicIsExact) {
   using cuda::decode::div_by_magic;
   using cuda::decode::division_magic;
@@ -261,6 +263,10 @@ TEST(DecodeGeometry, DivisionByMagicIsExact) {
     for (uint32_t n : edges) check(n, 1u << shift);
 }
 
+// The geometry a work item carries (read by the plan with no token or key limit) with the decode
+// call's clamps applied again, and what the call reads from the layout itself, both follow the
+// rules, for every kind of bad metadata the clamps exist for. A host-only test: it runs without
+// a GPU.
 TEST(DecodeGeometry, ItemGeometryMatchesTheLayout) {
   using cuda::decode::BatchLayout;
   using cuda::decode::RequestGeometry;

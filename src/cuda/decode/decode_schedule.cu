@@ -44,6 +44,9 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#if defined(MLA_PLAN_TRACE) && MLA_PLAN_TRACE
+#include <cstdio>  // the trace's printf
+#endif
 
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/cuda_check.hpp"
@@ -64,7 +67,6 @@ int plan_threads(int batch) { return std::clamp((batch + 31) / 32 * 32, 32, kPla
 // A build with -DMLA_PLAN_TRACE=1 stamps thread 0's %globaltimer after each phase of the plan and
 // prints the phases (ns) when the plan ends: a timeline of one plan, for docs/perf-notes.md.
 #if defined(MLA_PLAN_TRACE) && MLA_PLAN_TRACE
-#include <cstdio>
 __device__ __forceinline__ unsigned long long plan_globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -636,6 +638,8 @@ void launch_plan_kernel(const PlanParams& params, cudaStream_t stream) {
   const int threads = plan_threads(params.layout.batch_size);
   launch.per_thread = (params.layout.batch_size + threads - 1) / threads;
   while ((1 << launch.block_m_log2) < block_m) ++launch.block_m_log2;
+  MLA_CHECK(launch.parts >= 1, "plan_decode: ", params.num_parts, " parts for ", launch.lanes,
+            " lanes (the schedule needs at least one part a lane)");
   launch.parts_magic = division_magic(uint32_t(launch.parts));
   // One unit a thread (a request a thread, and one unit a request: lanes, or one row tile a
   // request): the plan without loops.
