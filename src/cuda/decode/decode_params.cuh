@@ -168,6 +168,11 @@ __host__ __device__ inline uint32_t div_by_magic(uint32_t n, uint32_t d, uint32_
   return q;
 }
 
+// Key blocks of kBlockN that `keys` (>= 0) keys fill, without overflow up to INT_MAX keys.
+__host__ __device__ inline int key_blocks(int keys) {
+  return int((unsigned(keys) + kBlockN - 1) / kBlockN);
+}
+
 // Row tiles of block_m rows that q_len x num_heads query rows fill (0 for no queries). More
 // than one for a request: other CTAs read the same keys (the plan's units and lanes; the Hopper
 // kernel's L2 prefetch).
@@ -220,7 +225,7 @@ __host__ __device__ inline ItemRange item_range(const BatchLayout& layout, const
   const int visible = tile_visible_keys(r.g, r.row0 + r.valid_rows, layout.num_heads);
   r.kv_end = item.kv_end < visible ? item.kv_end : visible;
   r.kv_begin = item.kv_begin < r.kv_end ? item.kv_begin : r.kv_end;
-  r.num_tiles = int((unsigned(r.kv_end - r.kv_begin) + kBlockN - 1) / kBlockN);  // INT_MAX keys: no overflow
+  r.num_tiles = key_blocks(r.kv_end - r.kv_begin);
   return r;
 }
 

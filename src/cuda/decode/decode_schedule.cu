@@ -158,10 +158,10 @@ struct Plus {
 // unsigned arithmetic (LinePos = uint32_t); otherwise in 64 bits (long long), where a division
 // is a long subroutine. The plan is one thread's chain of dependent instructions (ncu: ~6 cycles
 // an instruction), so the 32-bit line is what a plan mostly waits for less.
-__device__ __noinline__ long long div_pos_wide(long long a, long long b) { return a / b; }
+__device__ __noinline__ long long div_line_wide(long long a, long long b) { return a / b; }
 __device__ __forceinline__ long long div_line(long long a, long long b) {  // a >= 0, b >= 1
   if (((a | b) >> 32) == 0) return (long long)(uint32_t(a) / uint32_t(b));
-  return div_pos_wide(a, b);  // out of line: it runs only for lines past 32 bits
+  return div_line_wide(a, b);  // out of line: it runs only for lines past 32 bits
 }
 __device__ __forceinline__ uint32_t div_line(uint32_t a, uint32_t b) { return a / b; }
 
@@ -199,7 +199,7 @@ __device__ __forceinline__ UnitCost unit_cost(const RequestGeometry& g, int tile
   // The last tile's last row is the request's last query, which sees all kv_len keys (what
   // tile_visible_keys gives it, without its division).
   const int visible = row_end == rows ? g.kv_len : tile_visible_keys(g, row_end, num_heads);
-  return {int((unsigned(visible) + kBlockN - 1) / kBlockN), visible};  // INT_MAX keys: no overflow
+  return {key_blocks(visible), visible};
 }
 
 // A split unit's piece q: the blocks between the cuts that bound part q (the unit's edges for its
@@ -347,7 +347,6 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
   // pieces fit on the parts; else the line stays as it is.
   LinePos lead = kOverheadBlocks;  // line cost before a unit's first key block
   LinePos equal_advance = 0;       // line cost of a unit in equal mode (0: the line above)
-  LinePos equal_pieces = 0;        // pieces of a unit in equal mode (at most)
   const int unit_total = max_cost;
   if (unit_total == sh.min_unit_cost && unit_total > kOverheadBlocks) {
     const LinePos blocks = LinePos(unit_total - kOverheadBlocks);
@@ -358,16 +357,15 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
       snap = 0;
       lead = 0;
       equal_advance = k * payload;
-      equal_pieces = k;
     }
   }
   // Whether some unit may take more than kLongUnitPieces pieces, and so be written by the whole
-  // CTA behind a barrier after pass 3: in equal mode a unit takes at most k; on the line a unit
-  // of cost c spans at most ceil((c - 1) / payload) + 1 parts wherever it starts, at most
-  // kLongUnitPieces when c <= (kLongUnitPieces - 1) * payload + 1. Without such units, no
-  // barrier: thread 0 writes the header as soon as its own writes are done.
+  // CTA behind a barrier after pass 3: in equal mode a unit takes at most k = equal_advance /
+  // payload; on the line a unit of cost c spans at most ceil((c - 1) / payload) + 1 parts
+  // wherever it starts, at most kLongUnitPieces when c <= (kLongUnitPieces - 1) * payload + 1.
+  // Without such units, no barrier: thread 0 writes the header as soon as its own writes are done.
   const bool may_have_long_units =
-      equal_advance > 0 ? equal_pieces > LinePos(kLongUnitPieces)
+      equal_advance > 0 ? (long long)equal_advance > (long long)kLongUnitPieces * (long long)payload
                         : (long long)max_cost > (long long)(kLongUnitPieces - 1) * (long long)payload + 1;
   MLA_PLAN_STAMP(3);
   // This thread's first unit's line position (after the units before it), and how far a unit
@@ -561,7 +559,7 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
     UnitCost c;
     if constexpr (kOneUnit) {
       // The unit is costed by the request's last row tile, whose last row sees all its keys.
-      c = UnitCost{int((unsigned(g.kv_len) + kBlockN - 1) / kBlockN), g.kv_len};
+      c = UnitCost{key_blocks(g.kv_len), g.kv_len};
     } else {
       c = th.cost(g, tiles, t);
     }
