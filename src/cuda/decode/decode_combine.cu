@@ -34,6 +34,7 @@
 #include <cmath>
 
 #include "cuda/common/dependent_launch.cuh"
+#include "cuda/common/trace.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/decode/decode_launch.hpp"
 
@@ -178,6 +179,12 @@ __device__ __forceinline__ void store_out4(const DecodeParams& p, void* row_base
 __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     mla_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ float4 partial[kWarps][32][4];  // per warp: its lanes' 16 columns
+#if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
+  // A trace build (trace.cuh): thread 0 of the first and the last CTA prints its entry time (ns),
+  // its wait's return and its end.
+  const unsigned long long trace_entry = globaltimer_ns();
+  unsigned long long trace_waited = 0;
+#endif
   // The plan's header and the first job's row are read before the wait: the plan finished before
   // the decode kernel's CTAs passed their own wait, and they allow this grid to start only after
   // that, so these reads overlap the decode kernel's tail instead of following it. Only what the
@@ -201,6 +208,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
   const int first_job = int(blockIdx.x);
   JobRow jr = job_row(p, first_job * rows_per_job + warp / w, rows, block_m, lanes, num_slots);
   wait_for_prior_grids();  // the decode kernel's partial results are written
+#if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
+  trace_waited = globaltimer_ns();
+#endif
   for (int job = first_job; job * rows_per_job < rows; job += int(gridDim.x)) {
     // The next job's row, read while this one's pieces load.
     const int next = job + int(gridDim.x);
@@ -279,6 +289,12 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     __syncthreads();  // partial[] is free for the next job
     jr = jr_next;
   }
+#if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
+  __syncthreads();
+  if (threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1))
+    printf("CTRACE grid %d cta %d rows %d t0 %llu | %lld %lld\n", int(gridDim.x), int(blockIdx.x), rows,
+           trace_entry, (long long)(trace_waited - trace_entry), (long long)(globaltimer_ns() - trace_entry));
+#endif
 }
 
 }  // namespace

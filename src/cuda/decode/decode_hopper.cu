@@ -47,6 +47,7 @@
 
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/hopper.cuh"
+#include "cuda/common/trace.cuh"
 #include "cuda/common/warp_mma.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/decode/decode_device.cuh"
@@ -113,6 +114,50 @@ struct HopperParams {
 
 #if defined(MLA_SM90A_DEVICE)
 
+// A build with -DMLA_DECODE_TRACE=1 stamps %globaltimer at these points of a CTA's run and prints
+// the stamps of six CTAs when the kernel ends (decode_trace_print); a stamp marked "first" is the
+// CTA's first item's, one marked "last" its last item's.
+#if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
+enum TracePoint : int {
+  kTraceEntry = 0,       // kernel entry (thread 0)
+  kTraceWaited = 1,      // past the wait for prior grids
+  kTraceWork = 2,        // the CTA's item range read
+  kTraceItem = 3,        // first: stage 0's producer has its item and range
+  kTraceIssued = 4,      // first: stage 0's producer has issued the item's first tile
+  kTraceQ = 5,           // first: WG1 has Q in shared memory
+  kTraceScores = 6,      // first: WG1's first S is done
+  kTracePair = 7,        // first: WG1 has ended pair 0, 1, ... (up to kTracePairs)
+  kTracePairs = 12,
+  kTraceSums = kTracePair + kTracePairs,  // last: WG1 has both warpgroups' row sums
+  kTraceStoredL,         // last: WG1 has stored its half of O
+  kTraceStoredR,         // last: WG2 has stored its half of O
+  kTraceEnd,             // every warp of the CTA done
+  kTraceStamps
+};
+__shared__ unsigned long long decode_trace[kTraceStamps];
+#define MLA_DECODE_STAMP(i) (void)(decode_trace[i] = globaltimer_ns())
+#define MLA_DECODE_STAMP_FIRST(i) (void)(decode_trace[i] == 0 ? (decode_trace[i] = globaltimer_ns()) : 0ull)
+#define MLA_DECODE_STAMP_PAIR(i) (void)((i) < kTracePairs ? (MLA_DECODE_STAMP_FIRST(kTracePair + (i)), 0) : 0)
+
+// Thread 0 of CTAs 0, 1, G/2, G/2 + 1, G - 2 and G - 1: entry time (ns) and every stamp after it
+// (-1: not reached).
+__device__ void decode_trace_print(int begin, int end) {
+  const int g = int(gridDim.x), c = int(blockIdx.x);
+  if (!(c <= 1 || c == g / 2 || c == g / 2 + 1 || c >= g - 2)) return;
+  long long d[kTraceStamps];
+  for (int i = 1; i < kTraceStamps; ++i)
+    d[i] = decode_trace[i] == 0 ? -1 : (long long)(decode_trace[i] - decode_trace[0]);
+  printf("DTRACE grid %d cta %d items %d/%d t0 %llu | %lld %lld %lld %lld %lld %lld | %lld %lld %lld %lld %lld "
+         "%lld %lld %lld %lld %lld %lld %lld | %lld %lld %lld %lld\n",
+         g, c, begin, end - begin, decode_trace[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9],
+         d[10], d[11], d[12], d[13], d[14], d[15], d[16], d[17], d[18], d[19], d[20], d[21], d[22]);
+}
+#else
+#define MLA_DECODE_STAMP(i) ((void)0)
+#define MLA_DECODE_STAMP_FIRST(i) ((void)0)
+#define MLA_DECODE_STAMP_PAIR(i) ((void)0)
+#endif
+
 // The tensor-map row of the box_rows keys from `key`: their cache slot, or a wholly out-of-bounds
 // row (zero-filled by TMA) for keys past kv_end and pages not in the pool.
 __device__ __forceinline__ int box_row(const HopperParams& hp, int request, int key, int kv_end) {
@@ -149,6 +194,7 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
+    if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
     // The L2 prefetch pays only where other CTAs read the same tiles (the request's rows span
     // several row tiles: 128 heads, or 64 with two queries): the second reader finds the tile in
     // L2. A tile with one reader is read from DRAM once either way, and there the prefetch cost
@@ -162,6 +208,7 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
         mbar_wait(&empty[g], phase ^ 1);
         issue_group(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g]);
       }
+      if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
       // The stage's next tile to L2, so that its load waits for L2 once the stage is released.
       if (prefetch)
         for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
@@ -523,6 +570,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     if (r.valid_rows <= 0) continue;
     start_item<T>(p, r, smem, wt);
+    if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceQ);
     const RowState rs = row_state(p, r, wt);
     float m[2] = {-INFINITY, -INFINITY};
     float l[2] = {0.0f, 0.0f};
@@ -531,6 +579,7 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
     for (int i = 0; i < 128; ++i) o[i] = 0.0f;
     float s[32];
     if (r.num_tiles > 0) tile_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0], s);
+    if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceScores);
 
     for (int t = 0; t < r.num_tiles; t += 2) {
       const bool has_odd = t + 1 < r.num_tiles;
@@ -618,10 +667,13 @@ __device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int e
       }
       phase[0] ^= 1;
       if (has_odd) phase[1] ^= 1;
+      if (wt == 0) MLA_DECODE_STAMP_PAIR(t / 2);
     }
     float inv_l[2];
     finish_rows(p, r, item, rs, smem, true, it, sums_phase, l, m, lane, inv_l);
+    if (wt == 0) MLA_DECODE_STAMP(kTraceSums);
     store_o(p, r, item, o, rs.row_local, inv_l, 0, lane);
+    if (wt == 0) MLA_DECODE_STAMP(kTraceStoredL);
   }
 }
 
@@ -713,6 +765,7 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
     float inv_l[2];
     finish_rows(p, r, item, rs, smem, false, it, sums_phase, l, m, lane, inv_l);
     store_o(p, r, item, o, rs.row_local, inv_l, 256, lane);
+    if (wt == 0) MLA_DECODE_STAMP(kTraceStoredR);
   }
 }
 
@@ -726,6 +779,12 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const DecodeParams& p = hp.p;
 
+#if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < kTraceStamps; ++i) decode_trace[i] = 0;
+    MLA_DECODE_STAMP(kTraceEntry);
+  }
+#endif
   if (threadIdx.x == 0) {
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
     uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
@@ -739,9 +798,11 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   }
   __syncthreads();
   wait_for_prior_grids();  // the plan (and everything before it in the stream) is done
+  if (threadIdx.x == 0) MLA_DECODE_STAMP(kTraceWaited);
   allow_dependent_launch();
   int begin, end, lane;
   cta_work(p, hp.block_m, &begin, &end, &lane);
+  if (threadIdx.x == 0) MLA_DECODE_STAMP(kTraceWork);
 
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
@@ -754,6 +815,13 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     setmaxnreg_inc<232>();
     run_right<T>(hp, smem, begin, end, lane);
   }
+#if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    MLA_DECODE_STAMP(kTraceEnd);
+    decode_trace_print(begin, end);
+  }
+#endif
 }
 
 #else  // not sm_90a: the kernel exists only so that the host code links; it is never launched.

@@ -44,11 +44,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#if defined(MLA_PLAN_TRACE) && MLA_PLAN_TRACE
-#include <cstdio>  // the trace's printf
-#endif
-
 #include "cuda/common/dependent_launch.cuh"
+#include "cuda/common/trace.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/decode/decode_launch.hpp"
 #include "mla/ops.hpp"
@@ -67,13 +64,8 @@ int plan_threads(int batch) { return std::clamp((batch + 31) / 32 * 32, 32, kPla
 // A build with -DMLA_PLAN_TRACE=1 stamps thread 0's %globaltimer after each phase of the plan and
 // prints the phases (ns) when the plan ends: a timeline of one plan, for docs/perf-notes.md.
 #if defined(MLA_PLAN_TRACE) && MLA_PLAN_TRACE
-__device__ __forceinline__ unsigned long long plan_globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 __shared__ unsigned long long trace_ns[9];
-#define MLA_PLAN_STAMP(i) (threadIdx.x == 0 ? (void)(trace_ns[i] = plan_globaltimer()) : (void)0)
+#define MLA_PLAN_STAMP(i) (threadIdx.x == 0 ? (void)(trace_ns[i] = globaltimer_ns()) : (void)0)
 #else
 #define MLA_PLAN_STAMP(i) ((void)0)
 #endif

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Timeline of one scheduled Hopper decode call from a trace build's output.
+
+A build configured with -DCMAKE_CUDA_FLAGS=-DMLA_DECODE_TRACE=1 prints, for every run of the
+Hopper decode kernel, the %globaltimer stamps of six CTAs (DTRACE lines) and, for every combine,
+those of its first and last CTA (CTRACE lines); see src/cuda/common/trace.cuh. This script reads
+mla-bench's output of such a build and prints, for each case, the last scheduled call's stamps
+(a run whose grid is --grid CTAs, followed by its combine) in microseconds from the first traced
+CTA's entry.
+
+  mla-bench --device cuda --op decode --warmup 2 --iters 3 --heads 128 --batch 1 --kv-len 16384 \\
+      | scripts/decode_trace.py --grid 132
+"""
+import argparse
+import re
+import sys
+
+NAMES = ["wait", "work", "item", "issued", "Q", "S"] + [f"p{i}" for i in range(12)] + ["sums", "stL", "stR", "end"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grid", type=int, required=True, help="the scheduled decode grid (the plan's parts)")
+    ap.add_argument("file", nargs="?", default="-")
+    a = ap.parse_args()
+    lines = (sys.stdin if a.file == "-" else open(a.file)).read().splitlines()
+
+    calls, group, last = [], None, None  # group: [decode lines, combine lines]
+    for line in lines:
+        if line.startswith("DTRACE"):
+            m = re.match(r"DTRACE grid (\d+) cta (\d+) items (\d+)/(\d+) t0 (\d+) \| (.*)", line)
+            grid, cta, begin, count, t0 = map(int, m.groups()[:5])
+            stamps = [int(v) for v in m.group(6).replace("|", " ").split()]
+            if group is None or group[1] or group[2] != grid:
+                group = [[], [], grid]
+                calls.append(group)
+            group[0].append((cta, begin, count, t0, stamps))
+        elif line.startswith("CTRACE") and group is not None:
+            m = re.match(r"CTRACE grid (\d+) cta (\d+) rows (\d+) t0 (\d+) \| (-?\d+) (-?\d+)", line)
+            group[1].append(tuple(map(int, m.groups())))
+        elif line.startswith("decode ") and calls:
+            # A result row ends a case: report its last scheduled call.
+            done = [c for c in calls if c[2] == a.grid]
+            if done and done[-1] is not last:
+                last = done[-1]
+                print(f"# before: {line.split()[1]} {' '.join(line.split()[2:7])}")
+                report(last)
+    return 0
+
+
+def report(call):
+    decode, combine = call[0], call[1]
+    base = min(t0 for _, _, _, t0, _ in decode)
+    print("  cta items  entry " + " ".join(f"{n:>6}" for n in NAMES))
+    for cta, begin, count, t0, stamps in decode:
+        rel = [f"{(t0 - base + s) / 1000:6.1f}" if s >= 0 else "     -" for s in stamps]
+        print(f"  {cta:3d} {begin:3d}/{count:<2d} {(t0 - base) / 1000:5.1f} " + " ".join(rel))
+    for grid, cta, rows, t0, waited, end in combine:
+        print(f"  combine cta {cta}/{grid} rows {rows}: entry {(t0 - base) / 1000:.1f} "
+              f"waited {(t0 - base + waited) / 1000:.1f} end {(t0 - base + end) / 1000:.1f} us")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
