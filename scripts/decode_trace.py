@@ -21,11 +21,14 @@ NAMES = ["wait", "work", "item", "issued", "Q", "S"] + [f"p{i}" for i in range(1
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grid", type=int, required=True, help="the scheduled decode grid (the plan's parts)")
+    ap.add_argument("--index", type=int, default=-1,
+                    help="which of a case's scheduled calls (0: the first; -1: the last). mla-bench runs "
+                         "warmup + iters eager calls, then as many graph replays")
     ap.add_argument("file", nargs="?", default="-")
     a = ap.parse_args()
     lines = (sys.stdin if a.file == "-" else open(a.file)).read().splitlines()
 
-    calls, group, last = [], None, None  # group: [decode lines, combine lines]
+    calls, group, reported = [], None, 0  # group: [decode lines, combine lines, grid]
     for line in lines:
         if line.startswith("DTRACE"):
             m = re.match(r"DTRACE grid (\d+) cta (\d+) items (\d+)/(\d+) t0 (\d+) \| (.*)", line)
@@ -39,12 +42,12 @@ def main():
             m = re.match(r"CTRACE grid (\d+) cta (\d+) rows (\d+) t0 (\d+) \| (-?\d+) (-?\d+)", line)
             group[1].append(tuple(map(int, m.groups())))
         elif line.startswith("decode ") and calls:
-            # A result row ends a case: report its last scheduled call.
-            done = [c for c in calls if c[2] == a.grid]
-            if done and done[-1] is not last:
-                last = done[-1]
-                print(f"# before: {line.split()[1]} {' '.join(line.split()[2:7])}")
-                report(last)
+            # A result row ends a case: report its scheduled call --index.
+            done = [c for c in calls[reported:] if c[2] == a.grid]
+            reported = len(calls)
+            if done:
+                print(f"# {' '.join(line.split()[2:8])}: call {a.index} of {len(done)}")
+                report(done[a.index])
     return 0
 
 
