@@ -11,7 +11,9 @@
 // fp32 and rounds the weights P (in [0, 1]) to the compute dtype before P·V; the row sum uses the
 // rounded weights, so the output is a convex combination of values with weights off by at most
 // 2 * 2^-9 (bf16) or 2 * 2^-11 (fp16) relative -> absolute error <= 4e-3 (bf16) / 1e-3 (fp16)
-// for |v| <= 1, plus the rounding of the output to its dtype (2^-9 bf16, 2^-11 fp16 relative).
+// for |v| <= 1, plus the rounding of the output to its dtype (2^-9 bf16, 2^-11 fp16 relative),
+// twice for a row split over several CTAs (each piece's partial output is stored in the output's
+// dtype before the combine adds the pieces in fp32).
 //   bf16 compute (bf16 inputs, or fp8 query and cache): out atol 2e-2, rtol 2e-2
 //   fp16 compute: out atol 1e-2, rtol 1e-2
 //   lse (fp32 scores; ln of a row sum off by <= 2^-9 relative): atol 5e-3, rtol 1e-3

@@ -2,7 +2,8 @@
 // divided among several CTAs) by their LSE.
 //
 // For each row: lse = ln(sum_k exp(lse_k)), out = sum_k exp(lse_k - lse) * out_k, where out_k is
-// piece k's normalised output (already scaled by k_scale). Pieces whose rows saw no key have
+// piece k's normalised output (already scaled by k_scale), stored by the decode kernel in the
+// output's dtype (partial_elem_bytes) and summed here in fp32. Pieces whose rows saw no key have
 // lse_k = -inf and weigh nothing; a row with no key in any piece gets out 0 and lse -inf.
 //
 // Grid: a fixed kCtasPerPart x num_parts CTAs (one resident wave; graph-capturable, since the
@@ -32,6 +33,7 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/trace.cuh"
@@ -65,16 +67,42 @@ __device__ __forceinline__ void merge_lse(float& max_a, float& sum_a, float max_
   max_a = m;
 }
 
+// Four consecutive values of a partial row, as stored (Partial: float, __nv_bfloat16 or __half),
+// and in fp32.
+template <typename Partial>
+struct Quad {  // 16-bit: four values in 8 bytes
+  using Raw = uint2;
+  __device__ static float4 to_float(Raw r) {
+    const float2 a = pair(r.x), b = pair(r.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+  __device__ static float2 pair(unsigned bits) {
+    if constexpr (std::is_same_v<Partial, __nv_bfloat16>) {
+      return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+    } else {
+      return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+    }
+  }
+};
+template <>
+struct Quad<float> {
+  using Raw = float4;
+  __device__ static float4 to_float(Raw r) { return r; }
+};
+
 // One step of a warp over its pieces k, k + stride, ..., k + (kUnroll - 1) stride of a split
 // unit (stride: the row's warps): their LSEs and their columns 4 (lane + 32 i), all loads in
-// flight at once; a piece past n reads as empty (LSE -inf, zeros).
+// flight at once (as stored: converted to fp32 in add_step); a piece past n reads as empty (LSE
+// -inf, zeros).
+template <typename Partial>
 struct PieceStep {
   float lse[kUnroll];
-  float4 v[kUnroll][4];
+  typename Quad<Partial>::Raw v[kUnroll][4];
 };
-__device__ __forceinline__ void load_step(const float4* base, const float* lse_k, int n, int k,
-                                          int stride, int lane, PieceStep& st) {
-  constexpr int64_t kSlotStride4 = int64_t(kMaxBlockM) * kValueDim / 4;  // float4 per slot
+template <typename Partial>
+__device__ __forceinline__ void load_step(const typename Quad<Partial>::Raw* base, const float* lse_k,
+                                          int n, int k, int stride, int lane, PieceStep<Partial>& st) {
+  constexpr int64_t kSlotStride4 = int64_t(kMaxBlockM) * kValueDim / 4;  // quads per slot
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int piece = k + u * stride;
@@ -82,20 +110,22 @@ __device__ __forceinline__ void load_step(const float4* base, const float* lse_k
     st.lse[u] = in ? lse_k[int64_t(piece) * kMaxBlockM] : -INFINITY;
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      st.v[u][i] = in ? base[piece * kSlotStride4 + lane + 32 * i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      st.v[u][i] = in ? base[piece * kSlotStride4 + lane + 32 * i] : typename Quad<Partial>::Raw{};
   }
 }
 // acc += exp(lse_k - lse) * out_k over the step's pieces (weight 0 for an empty piece).
-__device__ __forceinline__ void add_step(const PieceStep& st, float lse, float4 (&acc)[4]) {
+template <typename Partial>
+__device__ __forceinline__ void add_step(const PieceStep<Partial>& st, float lse, float4 (&acc)[4]) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const float wu = expf(st.lse[u] - lse);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      acc[i].x += wu * st.v[u][i].x;
-      acc[i].y += wu * st.v[u][i].y;
-      acc[i].z += wu * st.v[u][i].z;
-      acc[i].w += wu * st.v[u][i].w;
+      const float4 v = Quad<Partial>::to_float(st.v[u][i]);
+      acc[i].x += wu * v.x;
+      acc[i].y += wu * v.y;
+      acc[i].z += wu * v.z;
+      acc[i].w += wu * v.w;
     }
   }
 }
@@ -176,6 +206,8 @@ __device__ __forceinline__ void store_out4(const DecodeParams& p, void* row_base
   }
 }
 
+// Partial: the pieces' stored dtype, the output's (partial_elem_bytes).
+template <typename Partial>
 __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     mla_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ float4 partial[kWarps][32][4];  // per warp: its lanes' 16 columns
@@ -227,11 +259,12 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     if (valid) {
       const int n = jr.unit.num_pieces;
       const float* lse_k = p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local;
-      const float4* base = reinterpret_cast<const float4*>(
-          p.schedule.partial_out + (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
+      const auto* base = reinterpret_cast<const typename Quad<Partial>::Raw*>(
+          static_cast<const Partial*>(p.schedule.partial_out) +
+          (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
       // The warp's first step of pieces, in flight together with the LSE loads below: their
       // addresses do not depend on the row's LSE, only their weights do.
-      PieceStep st;
+      PieceStep<Partial> st;
       load_step(base, lse_k, n, j, w, lane, st);
       float lse_max = -INFINITY, lse_sum = 0.0f;
       for (int k0 = 0; k0 < n; k0 += 4 * 32) {  // up to 128 pieces a round trip
@@ -252,11 +285,12 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       }
       if (lse_max != -INFINITY) {
         lse = lse_max + logf(lse_sum);
-        add_step(st, lse, acc);
 #pragma unroll 1
-        for (int k = j + kUnroll * w; k < n; k += kUnroll * w) {
-          load_step(base, lse_k, n, k, w, lane, st);
+        for (int k = j;;) {  // the step loaded, then the next one (add_step's code emitted once)
           add_step(st, lse, acc);
+          k += kUnroll * w;
+          if (k >= n) break;
+          load_step(base, lse_k, n, k, w, lane, st);
         }
       }
     }
@@ -301,7 +335,17 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
 
 void launch_combine_kernel(const DecodeParams& params, cudaStream_t stream) {
   const dim3 grid(unsigned(kCtasPerPart * params.schedule.num_parts));
-  launch_dependent(mla_decode_combine_kernel, grid, dim3(kThreadsPerCta), 0, stream, params);
+  switch (params.out_dtype) {
+    case kOutBF16:
+      launch_dependent(mla_decode_combine_kernel<__nv_bfloat16>, grid, dim3(kThreadsPerCta), 0, stream, params);
+      break;
+    case kOutFP16:
+      launch_dependent(mla_decode_combine_kernel<__half>, grid, dim3(kThreadsPerCta), 0, stream, params);
+      break;
+    default:
+      launch_dependent(mla_decode_combine_kernel<float>, grid, dim3(kThreadsPerCta), 0, stream, params);
+      break;
+  }
 }
 
 }  // namespace mla::cuda::decode

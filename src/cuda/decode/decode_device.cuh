@@ -35,6 +35,16 @@ __device__ __forceinline__ T from_float(float v) {
   else return __float2half_rn(v);
 }
 
+// Two floats as a packed bf16 / fp16 pair (the first in the low half).
+__device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pack_f16x2(float x, float y) {
+  const __half2 v = __floats2half2_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 // Writes out[col], out[col + 1] of one output row in the output dtype.
 __device__ __forceinline__ void store_out_pair(const DecodeParams& p, void* row_base, int col,
                                                float v0, float v1) {
@@ -72,44 +82,56 @@ __device__ __forceinline__ void store_out_pair(const DecodeParams& p, void* row_
   }
 }
 
-// How a decode kernel stores a row of its output: 0 fp32 pairs (a partial slot, or an fp32
-// output), 1 bf16 pairs, 2 fp16 pairs, 3 element by element in the output dtype (an output whose
-// element pairs are not 4-byte aligned).
+// How a decode kernel stores a row of its output or of a partial slot (which holds the output's
+// dtype, partial_elem_bytes): 0 fp32 pairs, 1 / 2 bf16 / fp16 a whole 32-byte sector a quad
+// (store_quad_sector), 3 element by element in the output dtype (an output whose rows are not
+// aligned for those stores).
 __device__ __forceinline__ int out_kind(const DecodeParams& p, bool partial) {
-  if (partial) return 0;
-  if (!p.out_pair_ok) return 3;
+  if (!partial && !(p.out_dtype == kOutFP32 ? p.out_pair_ok : p.out_quad_ok)) return 3;
   return p.out_dtype == kOutBF16 ? 1 : p.out_dtype == kOutFP16 ? 2 : 0;
 }
 
+// Pairs n and n + 1 of a 16-bit row (packed pa, pb; columns col + 8 n, col + 8 n + 8, where col
+// is the quad's first column + 2 (lane % 4)) as one 8-byte store a lane: the quad's 16 values
+// are 32 contiguous bytes, one whole sector in one instruction instead of two half sectors. Even
+// lanes keep their pair of n and take their odd neighbour's; odd lanes store both pairs of n + 1.
+// Called by the whole warp (the shuffle takes every lane: in a divergent branch ptxas would
+// serialise the kernel's wgmma), storing where `valid`.
+__device__ __forceinline__ void store_quad_sector(uint16_t* dst, int col, int n, uint32_t pa, uint32_t pb,
+                                                  bool valid) {
+  const bool odd = (col >> 1) & 1;
+  const uint32_t other = __shfl_xor_sync(0xffffffffu, odd ? pa : pb, 1);
+  if (valid)
+    *reinterpret_cast<uint2*>(dst + col + 8 * n + (odd ? 6 : 0)) = odd ? make_uint2(other, pb) : make_uint2(pa, other);
+}
+
 // Stores kPairs pairs of one row, pair n = get(n) * scale at columns col + 8 n, n + 1, as `kind`
-// (out_kind). Each kind's stores are emitted once, and kind 3 walks the pairs in a loop that is
+// (out_kind), where `valid` (the whole warp calls it: kinds 1 and 2 shuffle within quads). Each
+// kind's stores are emitted once, and kind 3 walks the pairs in a loop that is
 // not unrolled (`get` may then be asked for pair 0 only, after `rotate` moved pair n + 1 into
 // pair n): this code runs once per item from a cold instruction cache, so its size matters.
 template <int kPairs, typename Get, typename Rotate>
 __device__ __forceinline__ void store_row_pairs(const DecodeParams& p, int kind, void* base, int col,
-                                                float scale, Get get, Rotate rotate) {
+                                                float scale, bool valid, Get get, Rotate rotate) {
   if (kind == 0) {
     float* dst = static_cast<float*>(base) + col;
 #pragma unroll
     for (int n = 0; n < kPairs; ++n) {
       const float2 v = get(n);
-      *reinterpret_cast<float2*>(dst + n * 8) = make_float2(v.x * scale, v.y * scale);
+      if (valid) *reinterpret_cast<float2*>(dst + n * 8) = make_float2(v.x * scale, v.y * scale);
     }
-  } else if (kind == 1) {
-    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(base) + col;
+  } else if (kind == 1 || kind == 2) {
+    static_assert(kPairs % 2 == 0, "16-bit rows are stored two pairs a step");
+    uint16_t* dst = static_cast<uint16_t*>(base);
+    const bool bf16 = kind == 1;  // one loop for both (code size): a select of two conversions
 #pragma unroll
-    for (int n = 0; n < kPairs; ++n) {
-      const float2 v = get(n);
-      *reinterpret_cast<__nv_bfloat162*>(dst + n * 8) = __floats2bfloat162_rn(v.x * scale, v.y * scale);
+    for (int n = 0; n < kPairs; n += 2) {
+      const float2 a = get(n), b = get(n + 1);
+      const float ax = a.x * scale, ay = a.y * scale, bx = b.x * scale, by = b.y * scale;
+      store_quad_sector(dst, col, n, bf16 ? pack_bf16x2(ax, ay) : pack_f16x2(ax, ay),
+                        bf16 ? pack_bf16x2(bx, by) : pack_f16x2(bx, by), valid);
     }
-  } else if (kind == 2) {
-    __half* dst = static_cast<__half*>(base) + col;
-#pragma unroll
-    for (int n = 0; n < kPairs; ++n) {
-      const float2 v = get(n);
-      *reinterpret_cast<__half2*>(dst + n * 8) = __floats2half2_rn(v.x * scale, v.y * scale);
-    }
-  } else {
+  } else if (valid) {
 #pragma unroll 1
     for (int n = 0; n < kPairs; ++n) {
       const float2 v = get(0);
@@ -176,8 +198,8 @@ __device__ __forceinline__ float row_lse(float m, float sum) {
 }
 
 // Where row rl of an item's tile goes: for a piece of a split unit (slot >= 0) its normalised
-// fp32 row and LSE in the workspace, else the output row and the caller's LSE (null when none
-// was asked for).
+// row (in the output's dtype) and LSE in the workspace, else the output row and the caller's LSE
+// (null when none was asked for).
 struct RowDst {
   void* out;
   float* lse;
@@ -185,7 +207,8 @@ struct RowDst {
 __device__ __forceinline__ RowDst row_dst(const DecodeParams& p, int slot, const ItemRange& r, int rl) {
   if (slot >= 0) {
     const int64_t slot_row = int64_t(slot) * kMaxBlockM + rl;
-    return {p.schedule.partial_out + slot_row * kValueDim, p.schedule.partial_lse + slot_row};
+    return {static_cast<char*>(p.schedule.partial_out) + slot_row * kValueDim * partial_elem_bytes(p.out_dtype),
+            p.schedule.partial_lse + slot_row};
   }
   const int row = r.row0 + rl;
   const int64_t token = r.g.q_start + row / p.layout.num_heads;

@@ -247,6 +247,8 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   const size_t out_elem = dtype_size(args.out.dtype);
   p.out_pair_ok = aligned(args.out.data, 2 * out_elem) && p.out_stride_t % 2 == 0 &&
                   p.out_stride_h % 2 == 0;
+  p.out_quad_ok = aligned(args.out.data, 4 * out_elem) && p.out_stride_t % 4 == 0 &&
+                  p.out_stride_h % 4 == 0;
   if (!args.lse.empty()) {
     p.lse = static_cast<float*>(args.lse.data);
     p.lse_stride_t = args.lse.stride[0];
@@ -275,7 +277,7 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
     p.schedule.part_begin = reinterpret_cast<const int*>(ws + s.part_begin_offset);
     p.schedule.split_units = reinterpret_cast<const SplitUnit*>(ws + s.split_units_offset);
     p.schedule.partial_lse = reinterpret_cast<float*>(ws + s.partial_lse_offset);
-    p.schedule.partial_out = reinterpret_cast<float*>(ws + s.partial_out_offset);
+    p.schedule.partial_out = ws + s.partial_out_offset;
     p.schedule.num_parts = s.num_parts;
     p.plan_lanes = plan_lanes(max_q_len, num_heads, block_m, s.num_parts);
     grid = s.num_parts;

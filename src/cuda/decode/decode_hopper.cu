@@ -252,18 +252,18 @@ __device__ __forceinline__ void store_o(const DecodeParams& p, const ItemRange& 
   for (int j = 0; j < 2; ++j) {
     const int rl = j == 0 ? row_local[0] : row_local[1];
     const float inv = j == 0 ? inv_l[0] : inv_l[1];
-    if (rl < r.valid_rows) {
-      void* base = row_dst(p, item.slot, r, rl).out;
-      store_row_pairs<32>(
-          p, kind, base, col, inv, [&](int n) { return make_float2(o[4 * n], o[4 * n + 1]); },
-          [&] {
+    // Rows past valid_rows run the stores' shuffles and store nothing (their address is not used).
+    const bool valid = rl < r.valid_rows;
+    void* base = row_dst(p, item.slot, r, valid ? rl : 0).out;
+    store_row_pairs<32>(
+        p, kind, base, col, inv, valid, [&](int n) { return make_float2(o[4 * n], o[4 * n + 1]); },
+        [&] {
 #pragma unroll
-            for (int i = 0; i < 31; ++i) {
-              o[4 * i] = o[4 * i + 4];
-              o[4 * i + 1] = o[4 * i + 5];
-            }
-          });
-    }
+          for (int i = 0; i < 31; ++i) {
+            o[4 * i] = o[4 * i + 4];
+            o[4 * i + 1] = o[4 * i + 5];
+          }
+        });
     // Row 1's values into row 0's registers (a rotation above moved only row 0's columns).
 #pragma unroll
     for (int n = 0; n < 32; ++n) {

@@ -14,7 +14,8 @@
 //     O += P V           warp (wm, wn) owns O rows [16 wm, +16) x columns [wn * 512/kWarpsN, ...);
 //                        V is the first 512 columns of the same K tile (ldmatrix .trans)
 //   epilogue: row sums across warps; normalise; write the output (and LSE) directly, or, for a
-//   piece of a split unit, the normalised fp32 partial output and its LSE into the workspace.
+//   piece of a split unit, the normalised partial output (in the output's dtype) and its LSE into
+//   the workspace.
 //
 // Warp layout by row-tile class (kRowTiles = kBlockM / 16, kWarpsM = kRowTiles, kWarpsN = 8 / it):
 //   kBlockM 16: 1 x 8 warps, S slice 8 keys, O slice 16 x 64   (few heads: H * q_len <= 16)
@@ -445,7 +446,7 @@ struct DecodeCta {
 
     // One row per pass of a loop that is not unrolled (row 1's values move into row 0's
     // registers for the second pass), each output kind's stores once (store_row_pairs): the
-    // final output and LSE, or for a piece of a split unit the normalised fp32 partial output
+    // final output and LSE, or for a piece of a split unit the normalised partial output
     // and its LSE, merged by the combine kernel.
     const int kind = out_kind(p, item.slot >= 0);
     const int col = wn * kColsPerWarp + 2 * (lane & 3);
@@ -454,19 +455,19 @@ struct DecodeCta {
       const int rl = j == 0 ? row_local[0] : row_local[1];
       const float inv = j == 0 ? inv_l[0] : inv_l[1];
       const float lse_j = j == 0 ? lse[0] : lse[1];
-      if (rl < valid_rows) {
-        const RowDst dst = row_dst(p, item.slot, range, rl);
-        store_row_pairs<kColFrags>(
-            p, kind, dst.out, col, inv, [&](int n) { return make_float2(o[n][0], o[n][1]); },
-            [&] {
+      // Rows past valid_rows run the stores' shuffles and store nothing.
+      const bool valid = rl < valid_rows;
+      const RowDst dst = row_dst(p, item.slot, range, valid ? rl : 0);
+      store_row_pairs<kColFrags>(
+          p, kind, dst.out, col, inv, valid, [&](int n) { return make_float2(o[n][0], o[n][1]); },
+          [&] {
 #pragma unroll
-              for (int f = 0; f < kColFrags - 1; ++f) {
-                o[f][0] = o[f + 1][0];
-                o[f][1] = o[f + 1][1];
-              }
-            });
-        if (dst.lse != nullptr && wn == 0 && (lane & 3) == 0) *dst.lse = lse_j;
-      }
+            for (int f = 0; f < kColFrags - 1; ++f) {
+              o[f][0] = o[f + 1][0];
+              o[f][1] = o[f + 1][1];
+            }
+          });
+      if (valid && dst.lse != nullptr && wn == 0 && (lane & 3) == 0) *dst.lse = lse_j;
       // Row 1's values into row 0's registers (a rotation above moved only row 0's columns).
 #pragma unroll
       for (int f = 0; f < kColFrags; ++f) {

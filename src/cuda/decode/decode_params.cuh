@@ -87,7 +87,8 @@ struct ScheduleView {
   const int* part_begin;           // [num_parts + 1]
   const SplitUnit* split_units;    // [max_split_units]
   float* partial_lse;              // [max_slots, kMaxBlockM] natural-log LSE of each piece's rows
-  float* partial_out;              // [max_slots, kMaxBlockM, 512] normalised output of each piece
+  void* partial_out;               // [max_slots, kMaxBlockM, 512] normalised output of each piece,
+                                   // in the output's dtype (partial_elem_bytes)
   int num_parts;
 };
 
@@ -258,6 +259,7 @@ struct DecodeParams {
   int64_t out_stride_t, out_stride_h;
   int out_dtype;      // OutDType
   int out_pair_ok;    // pairs of elements are naturally aligned: 2-element vector stores
+  int out_quad_ok;    // so are groups of four (a 16-bit output's rows: 8-byte stores)
   float* lse;
   int64_t lse_stride_t, lse_stride_h;
 
@@ -269,6 +271,13 @@ struct DecodeParams {
 };
 
 enum OutDType : int { kOutBF16 = 0, kOutFP16 = 1, kOutFP32 = 2 };
+
+// A piece's partial output is stored in the output's dtype (bf16, fp16 or fp32): the combine
+// adds the pieces in fp32 and rounds once more to that dtype, so a split row carries at most one
+// rounding of the output's precision more than an unsplit one, and the pieces' bytes (written by
+// the decode kernel and read back by the combine, as many as the cache's at batch 1 with 128
+// heads) halve for a 16-bit output.
+__host__ __device__ inline int partial_elem_bytes(int out_dtype) { return out_dtype == kOutFP32 ? 4 : 2; }
 
 // Parameters of the plan kernel.
 struct PlanParams {
