@@ -28,6 +28,9 @@ constexpr int kRopeDim = 64;       // k_pe / q_pe width
 constexpr int kLatentDim = 576;    // cache entry width = kKvLoraRank + kRopeDim
 constexpr int kMaxHeads = 128;
 constexpr int kMaxPageSize = 128;
+// Keys a decode request may have (block_table columns x page size): kv_lens are int32, and the
+// kernels form key positions up to a few tiles past a request's last key in 32 bits.
+constexpr long long kMaxKeysPerRequest = (1LL << 31) - 256;
 constexpr float kFp8E4M3Max = 448.0f;
 
 // ---------------------------------------------------------------------------------------------

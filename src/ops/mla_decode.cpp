@@ -74,6 +74,10 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   const int64_t batch = args.block_table.shape[0];
   check::ndim(op, "kv_lens", args.kv_lens, 1);
   check::dim(op, "kv_lens", args.kv_lens, 0, batch, "requests, as block_table.shape[0]");
+  MLA_CHECK(args.block_table.shape[1] <= kMaxKeysPerRequest / page_size, op, ": block_table has ",
+            args.block_table.shape[1], " pages a request of ", page_size, " tokens = ",
+            args.block_table.shape[1] * page_size, " keys; at most ", kMaxKeysPerRequest,
+            " keys a request are supported");
   check::dtype(op, "kv_lens", args.kv_lens, DType::kInt32);
   check::contiguous(op, "kv_lens", args.kv_lens);
   MLA_CHECK(args.max_q_len >= 0, op, ": max_q_len must be >= 0 (0 = derive), got ",

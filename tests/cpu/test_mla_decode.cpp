@@ -606,6 +606,10 @@ TEST_F(MlaDecodeErrors, BatchArguments) {
   a = args();
   a.kv_lens.shape[0] = 3;
   EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"kv_lens.shape[0] must be 2"}));
+  // A table of more than 2^31 - 256 keys a request (never read: the check comes first).
+  a = args();
+  a.block_table.shape[1] = kMaxKeysPerRequest / a.kv_cache.shape[1] + 1;
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"block_table has", "keys; at most 2147483392 keys a request"}));
   a = args();
   a.kv_lens.dtype = DType::kInt64;
   EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"kv_lens must be int32"}));
