@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Timeline of one scheduled Hopper decode call from a trace build's output.
 
-A build configured with -DCMAKE_CUDA_FLAGS=-DMLA_DECODE_TRACE=1 prints, for every run of the
-Hopper decode kernel, the %globaltimer stamps of six CTAs (DTRACE lines) and, for every combine,
-those of its first and last CTA (CTRACE lines); see src/cuda/common/trace.cuh. This script reads
-mla-bench's output of such a build and prints, for each case, the last scheduled call's stamps
-(a run whose grid is --grid CTAs, followed by its combine) in microseconds from the first traced
-CTA's entry.
+A build configured with -DCMAKE_CUDA_FLAGS=-DMLA_DECODE_TRACE=1 stamps %globaltimer in six CTAs
+of every scheduled run of the Hopper decode kernel and in the combine's first CTA, which prints
+them (DTRACE lines) and its own (a CTRACE line) when it ends; see src/cuda/common/trace.cuh. This
+script reads mla-bench's output of such a build and prints, for each case, one scheduled call's
+stamps (--index; a run whose grid is --grid CTAs, with its combine) in microseconds from the
+first traced CTA's entry.
 
   mla-bench --device cuda --op decode --warmup 2 --iters 3 --heads 128 --batch 1 --kv-len 16384 \\
       | scripts/decode_trace.py --grid 132
@@ -15,7 +15,7 @@ import argparse
 import re
 import sys
 
-NAMES = ["wait", "work", "item", "issued", "Q", "S"] + [f"p{i}" for i in range(12)] + ["sums", "stL", "stR", "end"]
+NAMES = ["wait", "work", "item", "row", "issued", "Q", "S"] + [f"p{i}" for i in range(12)] + ["sums", "stL", "stR", "end"]
 
 
 def main():

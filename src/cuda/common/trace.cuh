@@ -1,7 +1,9 @@
 // Timelines of one kernel run, for docs/perf-notes.md: a build with -DMLA_PLAN_TRACE=1 (the plan)
 // or -DMLA_DECODE_TRACE=1 (the Hopper decode kernel and the combine) stamps %globaltimer at fixed
-// points and prints the stamps when the kernel ends. Off by default: nothing here is compiled
-// into a normal build.
+// points. The plan prints its stamps when it ends; the decode kernel stores six CTAs' stamps in a
+// buffer (DecodeParams::trace) that the combine's first CTA prints, with its own, when it ends (a
+// kernel that prints completes tens of microseconds later, which would delay the combine's
+// wait). Off by default: nothing here is compiled into a normal build.
 #pragma once
 
 #if (defined(MLA_PLAN_TRACE) && MLA_PLAN_TRACE) || (defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE)
@@ -15,6 +17,13 @@ __device__ __forceinline__ unsigned long long globaltimer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+
+// The decode trace buffer: kDecodeTraceCtas records of kDecodeTraceWords words (a record's word 0
+// is its CTA's entry time, 0 when the record is empty; the last three are the CTA, its first item
+// and its item count).
+constexpr int kDecodeTraceCtas = 6;
+constexpr int kDecodeTraceWords = 32;
+constexpr int kDecodeTraceStamps = 24;  // the Hopper kernel's TracePoints
 
 }  // namespace mla::cuda
 #endif

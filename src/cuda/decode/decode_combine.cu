@@ -212,8 +212,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     mla_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ float4 partial[kWarps][32][4];  // per warp: its lanes' 16 columns
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
-  // A trace build (trace.cuh): thread 0 of the first and the last CTA prints its entry time (ns),
-  // its wait's return and its end.
+  // A trace build (trace.cuh): thread 0 of the first CTA prints the decode kernel's records (then
+  // empties them), its own entry time (ns), its wait's return and its end.
   const unsigned long long trace_entry = globaltimer_ns();
   unsigned long long trace_waited = 0;
 #endif
@@ -325,9 +325,21 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
   }
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   __syncthreads();
-  if (threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1))
-    printf("CTRACE grid %d cta %d rows %d t0 %llu | %lld %lld\n", int(gridDim.x), int(blockIdx.x), rows,
-           trace_entry, (long long)(trace_waited - trace_entry), (long long)(globaltimer_ns() - trace_entry));
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    const unsigned long long trace_end = globaltimer_ns();
+    for (int c = 0; c < kDecodeTraceCtas && p.trace != nullptr; ++c) {
+      unsigned long long* rec = p.trace + c * kDecodeTraceWords;
+      if (rec[0] == 0) continue;  // no Hopper kernel ran before this combine, or not this CTA
+      printf("DTRACE grid %d cta %llu items %llu/%llu t0 %llu |", int(gridDim.x) / 2, rec[kDecodeTraceWords - 3],
+             rec[kDecodeTraceWords - 2], rec[kDecodeTraceWords - 1], rec[0]);
+      for (int i = 1; i < kDecodeTraceStamps; ++i)
+        printf(" %lld", rec[i] == 0 ? -1LL : (long long)(rec[i] - rec[0]));
+      printf("\n");
+      for (int i = 0; i < kDecodeTraceWords; ++i) rec[i] = 0;
+    }
+    printf("CTRACE grid %d cta 0 rows %d t0 %llu | %lld %lld\n", int(gridDim.x), rows, trace_entry,
+           (long long)(trace_waited - trace_entry), (long long)(trace_end - trace_entry));
+  }
 #endif
 }
 

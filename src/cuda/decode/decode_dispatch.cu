@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu/cpu_ops.hpp"
+#include "cuda/common/trace.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/cuda_ops.hpp"
 #include "cuda/decode/decode_launch.hpp"
@@ -197,6 +198,17 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   if (num_tokens == 0 || batch == 0) return;
 
   DecodeParams p{};
+#if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
+  // Trace builds: one buffer for the process (common/trace.cuh), zeroed once.
+  static unsigned long long* trace = [] {
+    void* buf = nullptr;
+    const size_t bytes = sizeof(unsigned long long) * kDecodeTraceCtas * kDecodeTraceWords;
+    MLA_CUDA_CHECK(cudaMalloc(&buf, bytes));
+    MLA_CUDA_CHECK(cudaMemset(buf, 0, bytes));
+    return static_cast<unsigned long long*>(buf);
+  }();
+  p.trace = trace;
+#endif
   const QueryParts qp = query_parts(args);
   p.q_nope = qp.nope;
   p.q_pe = qp.pe;

@@ -123,10 +123,11 @@ enum TracePoint : int {
   kTraceWaited = 1,      // past the wait for prior grids
   kTraceWork = 2,        // the CTA's item range read
   kTraceItem = 3,        // first: stage 0's producer has its item and range
-  kTraceIssued = 4,      // first: stage 0's producer has issued the item's first tile
-  kTraceQ = 5,           // first: WG1 has Q in shared memory
-  kTraceScores = 6,      // first: WG1's first S is done
-  kTracePair = 7,        // first: WG1 has ended pair 0, 1, ... (up to kTracePairs)
+  kTraceRow = 4,         // first: stage 0's producer has its first tile's cache row (block table)
+  kTraceIssued = 5,      // first: stage 0's producer has issued the item's first tile
+  kTraceQ = 6,           // first: WG1 has Q in shared memory
+  kTraceScores = 7,      // first: WG1's first S is done
+  kTracePair = 8,        // first: WG1 has ended pair 0, 1, ... (up to kTracePairs)
   kTracePairs = 12,
   kTraceSums = kTracePair + kTracePairs,  // last: WG1 has both warpgroups' row sums
   kTraceStoredL,         // last: WG1 has stored its half of O
@@ -139,18 +140,20 @@ __shared__ unsigned long long decode_trace[kTraceStamps];
 #define MLA_DECODE_STAMP_FIRST(i) (void)(decode_trace[i] == 0 ? (decode_trace[i] = globaltimer_ns()) : 0ull)
 #define MLA_DECODE_STAMP_PAIR(i) (void)((i) < kTracePairs ? (MLA_DECODE_STAMP_FIRST(kTracePair + (i)), 0) : 0)
 
-// Thread 0 of CTAs 0, 1, G/2, G/2 + 1, G - 2 and G - 1: entry time (ns) and every stamp after it
-// (-1: not reached).
-__device__ void decode_trace_print(int begin, int end) {
+static_assert(kTraceStamps == kDecodeTraceStamps && kTraceStamps + 3 <= kDecodeTraceWords,
+              "a CTA's record holds its stamps, CTA and items");
+
+// Thread 0 of CTAs 0, 1, G/2, G/2 + 1, G - 2 and G - 1: its stamps, CTA and items to its record of
+// the trace buffer, which the combine prints.
+__device__ void decode_trace_store(const DecodeParams& p, int begin, int end) {
   const int g = int(gridDim.x), c = int(blockIdx.x);
-  if (!(c <= 1 || c == g / 2 || c == g / 2 + 1 || c >= g - 2)) return;
-  long long d[kTraceStamps];
-  for (int i = 1; i < kTraceStamps; ++i)
-    d[i] = decode_trace[i] == 0 ? -1 : (long long)(decode_trace[i] - decode_trace[0]);
-  printf("DTRACE grid %d cta %d items %d/%d t0 %llu | %lld %lld %lld %lld %lld %lld | %lld %lld %lld %lld %lld "
-         "%lld %lld %lld %lld %lld %lld %lld | %lld %lld %lld %lld\n",
-         g, c, begin, end - begin, decode_trace[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9],
-         d[10], d[11], d[12], d[13], d[14], d[15], d[16], d[17], d[18], d[19], d[20], d[21], d[22]);
+  const int slot = c <= 1 ? c : c == g / 2 ? 2 : c == g / 2 + 1 ? 3 : c == g - 2 ? 4 : c == g - 1 ? 5 : -1;
+  if (slot < 0 || p.trace == nullptr || !p.has_schedule) return;  // unplanned calls have no combine
+  unsigned long long* rec = p.trace + slot * kDecodeTraceWords;
+  for (int i = 0; i < kTraceStamps; ++i) rec[i] = decode_trace[i];
+  rec[kDecodeTraceWords - 3] = (unsigned long long)c;
+  rec[kDecodeTraceWords - 2] = (unsigned long long)begin;
+  rec[kDecodeTraceWords - 1] = (unsigned long long)(end - begin);
 }
 #else
 #define MLA_DECODE_STAMP(i) ((void)0)
@@ -203,6 +206,12 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
     for (int t = stage; t < r.num_tiles; t += 2) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);
+#if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
+      if (stage == 0 && decode_trace[kTraceRow] == 0) {
+        asm volatile("" ::"r"(row0));  // the stamp follows the block table's load
+        MLA_DECODE_STAMP(kTraceRow);
+      }
+#endif
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(stage, i);
         mbar_wait(&empty[g], phase ^ 1);
@@ -819,7 +828,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   __syncthreads();
   if (threadIdx.x == 0) {
     MLA_DECODE_STAMP(kTraceEnd);
-    decode_trace_print(begin, end);
+    decode_trace_store(p, begin, end);
   }
 #endif
 }

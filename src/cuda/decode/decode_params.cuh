@@ -268,6 +268,9 @@ struct DecodeParams {
   int has_schedule;
   int plan_lanes;  // with a schedule: the lanes its plan should have (the header decides)
   ScheduleView schedule;
+#if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
+  unsigned long long* trace;  // trace builds: the decode trace buffer (common/trace.cuh)
+#endif
 };
 
 enum OutDType : int { kOutBF16 = 0, kOutFP16 = 1, kOutFP32 = 2 };
