@@ -15,7 +15,7 @@ import argparse
 import re
 import sys
 
-NAMES = ["wait", "work", "item", "row", "issued", "Q", "S"] + [f"p{i}" for i in range(12)] + ["sums", "stL", "stR", "end"]
+NAMES = ["wait", "work", "item", "g0", "g1", "issued", "Q", "S"] + [f"p{i}" for i in range(12)] + ["sums", "stL", "stR", "end"]
 
 
 def main():

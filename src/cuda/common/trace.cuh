@@ -23,7 +23,7 @@ __device__ __forceinline__ unsigned long long globaltimer_ns() {
 // and its item count).
 constexpr int kDecodeTraceCtas = 6;
 constexpr int kDecodeTraceWords = 32;
-constexpr int kDecodeTraceStamps = 24;  // the Hopper kernel's TracePoints
+constexpr int kDecodeTraceStamps = 25;  // the Hopper kernel's TracePoints
 
 }  // namespace mla::cuda
 #endif

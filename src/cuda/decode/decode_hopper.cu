@@ -123,11 +123,12 @@ enum TracePoint : int {
   kTraceWaited = 1,      // past the wait for prior grids
   kTraceWork = 2,        // the CTA's item range read
   kTraceItem = 3,        // first: stage 0's producer has its item and range
-  kTraceRow = 4,         // first: stage 0's producer has its first tile's cache row (block table)
-  kTraceIssued = 5,      // first: stage 0's producer has issued the item's first tile
-  kTraceQ = 6,           // first: WG1 has Q in shared memory
-  kTraceScores = 7,      // first: WG1's first S is done
-  kTracePair = 8,        // first: WG1 has ended pair 0, 1, ... (up to kTracePairs)
+  kTraceGroup = 4,       // first: stage 0's producer has issued the first tile's groups 0 and 1
+                         // (the first group's loads take the block table's row)
+  kTraceIssued = 6,      // first: stage 0's producer has issued the item's first tile
+  kTraceQ = 7,           // first: WG1 has Q in shared memory
+  kTraceScores = 8,      // first: WG1's first S is done
+  kTracePair = 9,        // first: WG1 has ended pair 0, 1, ... (up to kTracePairs)
   kTracePairs = 12,
   kTraceSums = kTracePair + kTracePairs,  // last: WG1 has both warpgroups' row sums
   kTraceStoredL,         // last: WG1 has stored its half of O
@@ -206,16 +207,11 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
     for (int t = stage; t < r.num_tiles; t += 2) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);
-#if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
-      if (stage == 0 && decode_trace[kTraceRow] == 0) {
-        asm volatile("" ::"r"(row0));  // the stamp follows the block table's load
-        MLA_DECODE_STAMP(kTraceRow);
-      }
-#endif
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(stage, i);
         mbar_wait(&empty[g], phase ^ 1);
         issue_group(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g]);
+        if (stage == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
       // The stage's next tile to L2, so that its load waits for L2 once the stage is released.
