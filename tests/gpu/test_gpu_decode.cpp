@@ -535,9 +535,12 @@ TEST(GpuDecode, StridedQueryOutputAndLse) {
     int q_pad, out_pad;
     DType out;
   };
-  // Pads of 8 keep 16-byte rows (vector path); 3 and 1 force the element-wise paths.
+  // Pads of 8 keep 16-byte rows (vector path); 3 and 1 force the element-wise paths; an output
+  // pad of 2 keeps 16-bit pairs aligned but not groups of four (the decode kernels' 16-bit rows
+  // go element by element, the combine's in pairs).
   for (Layout l : {Layout{false, 8, 8, DType::kBF16}, Layout{true, 8, 8, DType::kFP32},
                    Layout{false, 3, 1, DType::kBF16}, Layout{true, 3, 1, DType::kFP16},
+                   Layout{false, 8, 2, DType::kBF16}, Layout{true, 8, 2, DType::kFP16},
                    Layout{false, 0, 1, DType::kFP32}}) {
     DecodeCase c = fixed(16, 32, {33, 129, 0, 64});
     c.split_q = l.split;

@@ -92,9 +92,11 @@ __device__ __forceinline__ int out_kind(const DecodeParams& p, bool partial) {
 }
 
 // Pairs n and n + 1 of a 16-bit row (packed pa, pb; columns col + 8 n, col + 8 n + 8, where col
-// is the quad's first column + 2 (lane % 4)) as one 8-byte store a lane: the quad's 16 values
-// are 32 contiguous bytes, one whole sector in one instruction instead of two half sectors. Even
-// lanes keep their pair of n and take their odd neighbour's; odd lanes store both pairs of n + 1.
+// is the quad's first column + 2 (lane % 4), the first column a multiple of 4: 0 or 256 in the
+// Hopper kernel, a multiple of 64 in the portable one) as one 8-byte store a lane: the quad's 16
+// values are 32 contiguous bytes, one whole sector in one instruction instead of two half
+// sectors. Even lanes keep their pair of n and take their odd neighbour's; odd lanes store both
+// pairs of n + 1.
 // Called by the whole warp (the shuffle takes every lane: in a divergent branch ptxas would
 // serialise the kernel's wgmma), storing where `valid`.
 __device__ __forceinline__ void store_quad_sector(uint16_t* dst, int col, int n, uint32_t pa, uint32_t pb,
