@@ -33,11 +33,11 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
-#include <type_traits>
 
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/trace.cuh"
 #include "cuda/cuda_check.hpp"
+#include "cuda/decode/decode_device.cuh"
 #include "cuda/decode/decode_launch.hpp"
 
 namespace mla::cuda::decode {
@@ -73,15 +73,8 @@ template <typename Partial>
 struct Quad {  // 16-bit: four values in 8 bytes
   using Raw = uint2;
   __device__ static float4 to_float(Raw r) {
-    const float2 a = pair(r.x), b = pair(r.y);
+    const float2 a = unpack2<Partial>(r.x), b = unpack2<Partial>(r.y);
     return make_float4(a.x, a.y, b.x, b.y);
-  }
-  __device__ static float2 pair(unsigned bits) {
-    if constexpr (std::is_same_v<Partial, __nv_bfloat16>) {
-      return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-    } else {
-      return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-    }
   }
 };
 template <>

@@ -35,16 +35,6 @@ __device__ __forceinline__ T from_float(float v) {
   else return __float2half_rn(v);
 }
 
-// Two floats as a packed bf16 / fp16 pair (the first in the low half).
-__device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ uint32_t pack_f16x2(float x, float y) {
-  const __half2 v = __floats2half2_rn(x, y);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // Writes out[col], out[col + 1] of one output row in the output dtype.
 __device__ __forceinline__ void store_out_pair(const DecodeParams& p, void* row_base, int col,
                                                float v0, float v1) {
@@ -130,8 +120,8 @@ __device__ __forceinline__ void store_row_pairs(const DecodeParams& p, int kind,
     for (int n = 0; n < kPairs; n += 2) {
       const float2 a = get(n), b = get(n + 1);
       const float ax = a.x * scale, ay = a.y * scale, bx = b.x * scale, by = b.y * scale;
-      store_quad_sector(dst, col, n, bf16 ? pack_bf16x2(ax, ay) : pack_f16x2(ax, ay),
-                        bf16 ? pack_bf16x2(bx, by) : pack_f16x2(bx, by), valid);
+      store_quad_sector(dst, col, n, bf16 ? pack2<__nv_bfloat16>(ax, ay) : pack2<__half>(ax, ay),
+                        bf16 ? pack2<__nv_bfloat16>(bx, by) : pack2<__half>(bx, by), valid);
     }
   } else if (valid) {
 #pragma unroll 1

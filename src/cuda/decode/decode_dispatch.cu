@@ -257,10 +257,13 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
     default: MLA_FAIL(op, ": out dtype must be bf16, fp16 or fp32, got ", dtype_name(args.out.dtype));
   }
   const size_t out_elem = dtype_size(args.out.dtype);
-  p.out_pair_ok = aligned(args.out.data, 2 * out_elem) && p.out_stride_t % 2 == 0 &&
-                  p.out_stride_h % 2 == 0;
-  p.out_quad_ok = aligned(args.out.data, 4 * out_elem) && p.out_stride_t % 4 == 0 &&
-                  p.out_stride_h % 4 == 0;
+  // Every output row starts at a multiple of `elems` elements (and its base is that aligned).
+  const auto rows_aligned = [&](int64_t elems) {
+    return aligned(args.out.data, size_t(elems) * out_elem) && p.out_stride_t % elems == 0 &&
+           p.out_stride_h % elems == 0;
+  };
+  p.out_pair_ok = rows_aligned(2);
+  p.out_quad_ok = rows_aligned(4);
   if (!args.lse.empty()) {
     p.lse = static_cast<float*>(args.lse.data);
     p.lse_stride_t = args.lse.stride[0];

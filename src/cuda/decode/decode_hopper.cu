@@ -114,9 +114,9 @@ struct HopperParams {
 
 #if defined(MLA_SM90A_DEVICE)
 
-// A build with -DMLA_DECODE_TRACE=1 stamps %globaltimer at these points of a CTA's run and prints
-// the stamps of six CTAs when the kernel ends (decode_trace_print); a stamp marked "first" is the
-// CTA's first item's, one marked "last" its last item's.
+// A build with -DMLA_DECODE_TRACE=1 stamps %globaltimer at these points of a CTA's run and stores
+// six CTAs' stamps in the trace buffer when the kernel ends (decode_trace_store), for the combine
+// to print; a stamp marked "first" is the CTA's first item's, one marked "last" its last item's.
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
 enum TracePoint : int {
   kTraceEntry = 0,       // kernel entry (thread 0)
