@@ -39,8 +39,9 @@ def main():
                 calls.append(group)
             group[0].append((cta, begin, count, t0, stamps))
         elif line.startswith("CTRACE") and group is not None:
-            m = re.match(r"CTRACE grid (\d+) cta (\d+) rows (\d+) t0 (\d+) \| (-?\d+) (-?\d+)", line)
-            group[1].append(tuple(map(int, m.groups())))
+            m = re.match(r"CTRACE grid (\d+) cta (\d+) rows (\d+) t0 (\d+) \| (-?\d+) (-?\d+)((?: -?\d+)*)", line)
+            head = tuple(map(int, m.groups()[:6]))
+            group[1].append(head + (tuple(int(x) for x in m.group(7).split()),))
         elif line.startswith("decode ") and calls:
             # A result row ends a case: report its scheduled call --index.
             done = [c for c in calls[reported:] if c[2] == a.grid]
@@ -58,9 +59,13 @@ def report(call):
     for cta, begin, count, t0, stamps in decode:
         rel = [f"{(t0 - base + s) / 1000:6.1f}" if s >= 0 else "     -" for s in stamps]
         print(f"  {cta:3d} {begin:3d}/{count:<2d} {(t0 - base) / 1000:5.1f} " + " ".join(rel))
-    for grid, cta, rows, t0, waited, end in combine:
+    for grid, cta, rows, t0, waited, end, job in combine:
+        # The first job's stamps (newer builds): LSE, first step added, all steps, warps met, stored.
+        steps = " ".join(f"{n} {(t0 - base + s) / 1000:.1f}" if s >= 0 else f"{n} -"
+                         for n, s in zip(["lse", "step1", "steps", "met", "stored"], job))
         print(f"  combine cta {cta}/{grid} rows {rows}: entry {(t0 - base) / 1000:.1f} "
-              f"waited {(t0 - base + waited) / 1000:.1f} end {(t0 - base + end) / 1000:.1f} us")
+              f"waited {(t0 - base + waited) / 1000:.1f} {steps + ' ' if steps else ''}"
+              f"end {(t0 - base + end) / 1000:.1f} us")
 
 
 if __name__ == "__main__":

@@ -207,8 +207,14 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   // A trace build (trace.cuh): thread 0 of the first CTA prints the decode kernel's records (then
   // empties them), its own entry time (ns), its wait's return and its end.
+  // Thread 0's first job: its row's LSE, the first step added, every step added, the row's warps
+  // met, its stores issued.
   const unsigned long long trace_entry = globaltimer_ns();
-  unsigned long long trace_waited = 0;
+  unsigned long long trace_waited = 0, trace_job[5] = {0, 0, 0, 0, 0};
+#define MLA_COMBINE_STAMP(i) \
+  (threadIdx.x == 0 && job == first_job ? (void)(trace_job[i] = globaltimer_ns()) : (void)0)
+#else
+#define MLA_COMBINE_STAMP(i) ((void)0)
 #endif
   // The plan's header and the first job's row are read before the wait: the plan finished before
   // the decode kernel's CTAs passed their own wait, and they allow this grid to start only after
@@ -278,13 +284,16 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       }
       if (lse_max != -INFINITY) {
         lse = lse_max + logf(lse_sum);
+        MLA_COMBINE_STAMP(0);
 #pragma unroll 1
         for (int k = j;;) {  // the step loaded, then the next one (add_step's code emitted once)
           add_step(st, lse, acc);
+          if (k == j) MLA_COMBINE_STAMP(1);
           k += kUnroll * w;
           if (k >= n) break;
           load_step(base, lse_k, n, k, w, lane, st);
         }
+        MLA_COMBINE_STAMP(2);
       }
     }
     // The row's w warps meet in shared memory; warp j then sums and stores column groups j,
@@ -292,6 +301,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
 #pragma unroll
     for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
     __syncthreads();
+    MLA_COMBINE_STAMP(3);
     if (valid) {
       const int64_t token = g.q_start + r / num_heads;
       const int head = r % num_heads;
@@ -312,6 +322,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
         store_out4(p, row_base, 4 * (lane + 32 * i), sum);
       }
       if (p.lse != nullptr && j == 0 && lane == 0) p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
+      MLA_COMBINE_STAMP(4);
     }
     __syncthreads();  // partial[] is free for the next job
     jr = jr_next;
@@ -330,10 +341,13 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       printf("\n");
       for (int i = 0; i < kDecodeTraceWords; ++i) rec[i] = 0;
     }
-    printf("CTRACE grid %d cta 0 rows %d t0 %llu | %lld %lld\n", int(gridDim.x), rows, trace_entry,
-           (long long)(trace_waited - trace_entry), (long long)(trace_end - trace_entry));
+    auto rel = [&](unsigned long long t) { return t == 0 ? -1LL : (long long)(t - trace_entry); };
+    printf("CTRACE grid %d cta 0 rows %d t0 %llu | %lld %lld %lld %lld %lld %lld %lld\n", int(gridDim.x), rows,
+           trace_entry, rel(trace_waited), rel(trace_end), rel(trace_job[0]), rel(trace_job[1]),
+           rel(trace_job[2]), rel(trace_job[3]), rel(trace_job[4]));
   }
 #endif
+#undef MLA_COMBINE_STAMP
 }
 
 }  // namespace
