@@ -202,6 +202,10 @@ TEST(GpuDecodeSchedule, EqualRequestsGetEqualPieces) {
   check_plan(std::vector<int>(16, 1024), 128, 2, 132, 2);   // four lanes, 33 parts: payload 9
   check_plan(std::vector<int>(16, 1000), 16, 1, 132, 6);    // a partial last block
   check_plan(std::vector<int>(7, 333), 16, 1, 7, 1);        // one unit a CTA, unsplit
+  // Two requests a plan thread (more than 512): payload 33 -> 2 pieces of 32 blocks; with 128
+  // heads two lanes of 600 parts, one whole unit each.
+  check_plan(std::vector<int>(600, 4096), 16, 1, 1200, 2);
+  check_plan(std::vector<int>(600, 4096), 128, 1, 1200, 1);
   // Structure only (the pieces per unit follow from the cost line or the rule): lanes that do
   // not divide the parts, and causal row tiles of one request as separate units (no lanes).
   check_plan(std::vector<int>(9, 700), 128, 1, 7);

@@ -342,6 +342,7 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
   LinePos lead = kOverheadBlocks;  // line cost before a unit's first key block
   LinePos equal_advance = 0;       // line cost of a unit in equal mode (0: the line above)
   const int unit_total = max_cost;
+  int equal_units = 0, equal_pieces = 0;  // equal mode: n, and k parts (pieces) a unit
   if (unit_total == sh.min_unit_cost && unit_total > kOverheadBlocks) {
     const LinePos blocks = LinePos(unit_total - kOverheadBlocks);
     const LinePos n = div_line(total_cost, LinePos(unit_total));
@@ -351,6 +352,10 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
       snap = 0;
       lead = 0;
       equal_advance = k * payload;
+      // Each unit takes all k of its parts: ceil(blocks / ceil(blocks / k)) = k when k is
+      // ceil(blocks / p) for a whole p (here the payload before this one).
+      equal_units = int(n);
+      equal_pieces = int(k);
     }
   }
   // Whether some unit may take more than kLongUnitPieces pieces, and so be written by the whole
@@ -364,45 +369,59 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
   MLA_PLAN_STAMP(3);
   // This thread's first unit's line position (after the units before it), and how far a unit
   // moves the line.
-  const LinePos line_start =
-      equal_advance > 0 ? div_line(cost_base, LinePos(unit_total)) * equal_advance : cost_base;
+  const LinePos units_before = equal_advance > 0 ? div_line(cost_base, LinePos(unit_total)) : 0;
+  const LinePos line_start = equal_advance > 0 ? units_before * equal_advance : cost_base;
   auto advance = [&](int blocks) {
     return equal_advance > 0 ? equal_advance : LinePos(blocks + kOverheadBlocks);
   };
 
-  // Pass 2: items, split units and slots of this thread's units; the first unit's parts are kept
-  // for pass 3.
+  // The counts before this thread's units and in all: in equal mode in closed form (unit u runs
+  // on parts [u k, u k + k), so no pass over the units and no second scan); else pass 2 and a
+  // scan of its counts.
   UnitSpan first_span{0, 0};
-  int my_items = 0, my_splits = 0, my_slots = 0;
-  int my_last_part = -1;  // part of this thread's last item
-  int my_max_pieces = 1;
-  {
-    LinePos pos = line_start;
-    for_each_unit<kOneUnit>(th, [&](int, int t, const RequestGeometry& g, int tiles, bool first) {
-      const int nb = first ? th.first_cost.blocks : th.cost(g, tiles, t).blocks;
-      UnitSpan span;
-      if (nb > 0) {
-        span = unit_span(pos, LinePos(pos + lead + LinePos(nb)), payload, snap, parts);
-      } else {
-        span.part_first = span.part_last = part_of(pos, payload, parts);
-      }
-      if (first) first_span = span;
-      const int pieces = span.part_last - span.part_first + 1;
-      my_last_part = span.part_last;
-      my_items += pieces;
-      if (pieces > 1) {
-        my_splits += 1;
-        my_slots += pieces;
-        my_max_pieces = max(my_max_pieces, pieces);
-      }
-      pos += advance(nb);
-    });
+  Counts before, all;
+  int max_pieces = 1;
+  if (equal_advance > 0) {
+    const int u0 = int(units_before), n = equal_units, k = equal_pieces;
+    const bool split = k > 1;
+    before = Counts{u0 * k, split ? u0 : 0, split ? u0 * k : 0, u0 * k - 1};
+    all = Counts{n * k, split ? n : 0, split ? n * k : 0, n * k - 1};
+    first_span = UnitSpan{u0 * k, u0 * k + k - 1};
+    max_pieces = k;
+  } else {
+    // Pass 2: items, split units and slots of this thread's units; the first unit's parts are kept
+    // for pass 3.
+    int my_items = 0, my_splits = 0, my_slots = 0;
+    int my_last_part = -1;  // part of this thread's last item
+    int my_max_pieces = 1;
+    {
+      LinePos pos = line_start;
+      for_each_unit<kOneUnit>(th, [&](int, int t, const RequestGeometry& g, int tiles, bool first) {
+        const int nb = first ? th.first_cost.blocks : th.cost(g, tiles, t).blocks;
+        UnitSpan span;
+        if (nb > 0) {
+          span = unit_span(pos, LinePos(pos + lead + LinePos(nb)), payload, snap, parts);
+        } else {
+          span.part_first = span.part_last = part_of(pos, payload, parts);
+        }
+        if (first) first_span = span;
+        const int pieces = span.part_last - span.part_first + 1;
+        my_last_part = span.part_last;
+        my_items += pieces;
+        if (pieces > 1) {
+          my_splits += 1;
+          my_slots += pieces;
+          my_max_pieces = max(my_max_pieces, pieces);
+        }
+        pos += advance(nb);
+      });
+    }
+    MLA_PLAN_STAMP(4);
+    if (my_max_pieces > 1) atomicMax(&sh.max_pieces, my_max_pieces);  // read after the scans' syncs
+    before = block_exclusive_scan(Counts{my_items, my_splits, my_slots, my_last_part},
+                                  Counts{0, 0, 0, -1}, CountsOp{}, sh.scan_counts, all);
+    max_pieces = sh.max_pieces;
   }
-  MLA_PLAN_STAMP(4);
-  if (my_max_pieces > 1) atomicMax(&sh.max_pieces, my_max_pieces);  // read after the scans' syncs
-  Counts all{};
-  const Counts before = block_exclusive_scan(Counts{my_items, my_splits, my_slots, my_last_part},
-                                             Counts{0, 0, 0, -1}, CountsOp{}, sh.scan_counts, all);
   const int num_items = all.items, num_splits = all.splits, num_slots = all.slots;
   const int last_part = all.last_part;
   MLA_PLAN_STAMP(5);
@@ -433,7 +452,7 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
     h.num_parts = pp.num_parts;
     h.lanes = lanes;
     h.num_slots = num_slots;
-    h.max_pieces = sh.max_pieces;
+    h.max_pieces = max_pieces;
     // A plan that does not fit its workspace (impossible by the capacity bounds above) is
     // marked so that the decode kernel traps instead of producing wrong results.
     if (num_items > pp.max_items || num_splits > pp.max_split_units ||
