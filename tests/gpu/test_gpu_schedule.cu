@@ -173,6 +173,10 @@ TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
       for (size_t i = 0; i < gaps.size(); ++i) gaps[i] = i % 2 ? 0 : 1 + int(i % 700);
       check_plan(gaps, heads, 1, num_parts);
       check_plan(std::vector<int>(64, 4096), heads, 1, num_parts);
+      // Equal units laid whole, several a part (B 256 kv 1k: a payload of two units), and units
+      // of no keys only.
+      check_plan(std::vector<int>(256, 1024), heads, 1, num_parts);
+      check_plan(std::vector<int>(300, 0), heads, 1, num_parts);
       check_plan(lengths(33, 20000, 2), heads, 2, num_parts);
       check_plan(lengths(5, 70000, 3), heads, 3, num_parts);
       // Requests of INT_MAX keys (2^25 blocks each): a line just below 2^31 (63 of them, 32-bit

@@ -367,17 +367,25 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
       equal_advance > 0 ? (long long)equal_advance > (long long)kLongUnitPieces * (long long)payload
                         : (long long)max_cost > (long long)(kLongUnitPieces - 1) * (long long)payload + 1;
   MLA_PLAN_STAMP(3);
+  // Equal units laid whole on the line (not in equal mode, a payload of `whole_units` units: the
+  // cuts fall on unit edges, so unit u is one item on part u / whole_units).
+  int whole_units = 0;
+  if (equal_advance == 0 && unit_total == sh.min_unit_cost && unit_total > 0) {
+    const LinePos k_units = div_line(payload, LinePos(unit_total));
+    if (k_units * LinePos(unit_total) == payload) whole_units = int(k_units);
+  }
+  const bool closed_form = equal_advance > 0 || whole_units > 0;
   // This thread's first unit's line position (after the units before it), and how far a unit
   // moves the line.
-  const LinePos units_before = equal_advance > 0 ? div_line(cost_base, LinePos(unit_total)) : 0;
+  const LinePos units_before = closed_form ? div_line(cost_base, LinePos(unit_total)) : 0;
   const LinePos line_start = equal_advance > 0 ? units_before * equal_advance : cost_base;
   auto advance = [&](int blocks) {
     return equal_advance > 0 ? equal_advance : LinePos(blocks + kOverheadBlocks);
   };
 
-  // The counts before this thread's units and in all: in equal mode in closed form (unit u runs
-  // on parts [u k, u k + k), so no pass over the units and no second scan); else pass 2 and a
-  // scan of its counts.
+  // The counts before this thread's units and in all: for equal units in closed form (in equal
+  // mode unit u runs on parts [u k, u k + k); laid whole, on part u / whole_units), so no pass
+  // over the units and no second scan; else pass 2 and a scan of its counts.
   UnitSpan first_span{0, 0};
   Counts before, all;
   int max_pieces = 1;
@@ -388,6 +396,13 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
     all = Counts{n * k, split ? n : 0, split ? n * k : 0, n * k - 1};
     first_span = UnitSpan{u0 * k, u0 * k + k - 1};
     max_pieces = k;
+  } else if (whole_units > 0) {
+    const int u0 = int(units_before), w = whole_units;
+    const int n = int(div_line(total_cost, LinePos(unit_total)));
+    const int part0 = u0 / w;
+    before = Counts{u0, 0, 0, u0 > 0 ? (u0 - 1) / w : -1};
+    all = Counts{n, 0, 0, (n - 1) / w};
+    first_span = UnitSpan{part0, part0};
   } else {
     // Pass 2: items, split units and slots of this thread's units; the first unit's parts are kept
     // for pass 3.
