@@ -396,6 +396,7 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
     all = Counts{n * k, split ? n : 0, split ? n * k : 0, n * k - 1};
     first_span = UnitSpan{u0 * k, u0 * k + k - 1};
     max_pieces = k;
+    MLA_PLAN_STAMP(4);
   } else if (whole_units > 0) {
     const int u0 = int(units_before), w = whole_units;
     const int n = int(div_line(total_cost, LinePos(unit_total)));
@@ -403,6 +404,7 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
     before = Counts{u0, 0, 0, u0 > 0 ? (u0 - 1) / w : -1};
     all = Counts{n, 0, 0, (n - 1) / w};
     first_span = UnitSpan{part0, part0};
+    MLA_PLAN_STAMP(4);
   } else {
     // Pass 2: items, split units and slots of this thread's units; the first unit's parts are kept
     // for pass 3.
