@@ -398,11 +398,14 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
     max_pieces = k;
     MLA_PLAN_STAMP(4);
   } else if (whole_units > 0) {
-    const int u0 = int(units_before), w = whole_units;
+    // Four independent divisions: unit u0 = cost_base / c starts at cost_base, on part
+    // cost_base / payload; the unit before it is on the part before when u0 starts its part.
+    const int u0 = int(units_before);
+    const int part0 = int(div_line(cost_base, payload));
     const int n = int(div_line(total_cost, LinePos(unit_total)));
-    const int part0 = u0 / w;
-    before = Counts{u0, 0, 0, u0 > 0 ? (u0 - 1) / w : -1};
-    all = Counts{n, 0, 0, (n - 1) / w};
+    const int last = int(div_line(LinePos(total_cost - LinePos(unit_total)), payload));
+    before = Counts{u0, 0, 0, u0 == part0 * whole_units ? part0 - 1 : part0};
+    all = Counts{n, 0, 0, last};
     first_span = UnitSpan{part0, part0};
     MLA_PLAN_STAMP(4);
   } else {
@@ -456,27 +459,6 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
     prev_part = max(prev_part, part);
   };
 
-  // The header, from the scans' totals, before the items: thread 0's stores then end with its
-  // own items rather than wait for them (the decode kernel reads nothing before the plan ends).
-  if (tid == 0) {
-    ScheduleHeader h{};
-    h.magic = kScheduleMagic;
-    h.num_items = stored_items;
-    h.num_split_units = min(num_splits, pp.max_split_units);
-    h.block_m = pp.block_m;
-    h.batch_size = pp.layout.batch_size;
-    h.num_heads = pp.layout.num_heads;
-    h.num_parts = pp.num_parts;
-    h.lanes = lanes;
-    h.num_slots = num_slots;
-    h.max_pieces = max_pieces;
-    // A plan that does not fit its workspace (impossible by the capacity bounds above) is
-    // marked so that the decode kernel traps instead of producing wrong results.
-    if (num_items > pp.max_items || num_splits > pp.max_split_units ||
-        int64_t(num_slots) * lanes > pp.max_slots)
-      h.magic = 0;
-    *pp.header = h;
-  }
   // Pass 3: write the items and split units.
   {
     LinePos pos = line_start;
@@ -541,6 +523,23 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
   }
   MLA_PLAN_STAMP(7);
   if (tid == 0) {
+    ScheduleHeader h{};
+    h.magic = kScheduleMagic;
+    h.num_items = stored_items;
+    h.num_split_units = min(num_splits, pp.max_split_units);
+    h.block_m = pp.block_m;
+    h.batch_size = pp.layout.batch_size;
+    h.num_heads = pp.layout.num_heads;
+    h.num_parts = pp.num_parts;
+    h.lanes = lanes;
+    h.num_slots = num_slots;
+    h.max_pieces = max_pieces;
+    // A plan that does not fit its workspace (impossible by the capacity bounds above) is
+    // marked so that the decode kernel traps instead of producing wrong results.
+    if (num_items > pp.max_items || num_splits > pp.max_split_units ||
+        int64_t(num_slots) * lanes > pp.max_slots)
+      h.magic = 0;
+    *pp.header = h;
 #if defined(MLA_PLAN_TRACE) && MLA_PLAN_TRACE
     MLA_PLAN_STAMP(8);
     printf("plan-trace batch %d threads %d line %d pass1 %llu scan1 %llu payload %llu pass2 %llu "
