@@ -324,12 +324,16 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
   // such a line evenly without snapping made 16 h B 128 kv 16k, 128 units of 257 blocks on 132
   // parts, 1-3 % slower: that row is bound by the card's bandwidth, not by its idle SMs.)
   const int max_cost = sh.max_unit_cost;
+  int whole_units = 0;  // k, when the payload grew to k units
   if (max_cost > 0) {
     const LinePos k_units = div_line(LinePos(even + LinePos(max_cost) - 1), LinePos(max_cost));
     const LinePos whole = k_units * LinePos(max_cost);
     const bool whole_fits = k_units <= 1 ? 4LL * max_cost <= 5LL * (long long)even
                                          : 4LL * ((long long)whole - (long long)even) <= max_cost;
-    if (whole_fits && whole > payload) payload = whole;
+    if (whole_fits && whole > payload) {
+      payload = whole;
+      whole_units = int(k_units);
+    }
   }
   LinePos snap = payload / 8 > LinePos(kOverheadBlocks) ? payload / 8 : LinePos(kOverheadBlocks);
   // Equal units (every request the same length): each is cut into the same number of pieces,
@@ -367,13 +371,9 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
       equal_advance > 0 ? (long long)equal_advance > (long long)kLongUnitPieces * (long long)payload
                         : (long long)max_cost > (long long)(kLongUnitPieces - 1) * (long long)payload + 1;
   MLA_PLAN_STAMP(3);
-  // Equal units laid whole on the line (not in equal mode, a payload of `whole_units` units: the
+  // Equal units laid whole on the line (not in equal mode, a payload of whole_units units: the
   // cuts fall on unit edges, so unit u is one item on part u / whole_units).
-  int whole_units = 0;
-  if (equal_advance == 0 && unit_total == sh.min_unit_cost && unit_total > 0) {
-    const LinePos k_units = div_line(payload, LinePos(unit_total));
-    if (k_units * LinePos(unit_total) == payload) whole_units = int(k_units);
-  }
+  if (equal_advance > 0 || unit_total != sh.min_unit_cost) whole_units = 0;
   const bool closed_form = equal_advance > 0 || whole_units > 0;
   // This thread's first unit's line position (after the units before it), and how far a unit
   // moves the line.
