@@ -177,6 +177,10 @@ TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
       // of no keys only.
       check_plan(std::vector<int>(256, 1024), heads, 1, num_parts);
       check_plan(std::vector<int>(300, 0), heads, 1, num_parts);
+      // Equal units laid whole, with loops (on 132 parts: three requests a thread, payload 8
+      // units of 48; and 128 heads, q_len 2: four lanes, two requests a thread, payload 18 units).
+      check_plan(std::vector<int>(1050, 3000), heads, 1, num_parts);
+      check_plan(std::vector<int>(590, 3000), heads, 2, num_parts);
       check_plan(lengths(33, 20000, 2), heads, 2, num_parts);
       check_plan(lengths(5, 70000, 3), heads, 3, num_parts);
       // Requests of INT_MAX keys (2^25 blocks each): a line just below 2^31 (63 of them, 32-bit
