@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """mla-bench --part K/N and bench/merge_results.py: the parts of a sweep together run every case
 once, with the results of the whole run (same seeds), and merge into one file; bad --part and
---flush values, and runs of different cards or flushes, are rejected with a message.
+--flush values, and runs of different cards or flushes, are rejected with a message. Also
+--kv-min (requests of mixed lengths).
 
     python3 tests/tools/test_bench_parts.py MLA_BENCH MERGE_RESULTS_PY
 """
@@ -55,6 +56,18 @@ def main(bench, merge):
 
         r = run([bench, *common, "--flush", "both"], expect_rc=2)
         assert "--flush expects write, read or none, got 'both'" in r.stderr, r.stderr
+
+        # Mixed lengths (--kv-min): the case runs and verifies, its row names the range; a range
+        # that ends below its start is a usage error.
+        single = ["--device", "cpu", "--op", "decode", "--warmup", "0", "--iters", "1", "--batch", "5",
+                  "--kv-len", "200"]
+        mixed = os.path.join(tmp, "mixed.json")
+        run([bench, *single, "--kv-min", "1", "--json", mixed])
+        rows = json.load(open(mixed))["rows"]
+        assert rows and all(r["kv_min"] == 1 and r["kv_len"] == 200 and r["verified"] for r in rows), rows
+        assert all("kv_min" not in r for r in w["rows"]), "equal lengths: no kv_min"
+        r = run([bench, *single, "--kv-min", "201"], expect_rc=2)
+        assert "--kv-min 201 is past --kv-len 200" in r.stderr, r.stderr
 
         # Runs of different cards, or timed after different L2 flushes, are not merged.
         for key, value, message in (("card", "another card", "card 'another card' differs"),

@@ -25,6 +25,7 @@ struct BenchCase {
   int batch = 4;                  // requests
   int heads = 16;                 // query heads
   int kv_len = 1024;              // decode: cached tokens per request, the new ones included
+  int kv_min = -1;                // decode: >= 0: request b's length drawn from [kv_min, kv_len]
   int q_len = 1;                  // decode: queries per request
   int page_size = 64;             // decode: tokens per page
   DType kv_dtype = DType::kBF16;  // decode: cache (and query) dtype; prefill: q/k/v dtype

@@ -37,6 +37,8 @@ each result against a float64 naive computation. Without case options it runs --
   --batch N                requests (default 4)
   --heads N                query heads, 1..128 (default 16)
   --kv-len N               decode: cached tokens per request, new ones included (default 1024)
+  --kv-min N               decode: mixed lengths, each request's drawn uniformly from
+                           [N, --kv-len] (default: every request --kv-len)
   --q-len N                decode: queries per request (default 1)
   --page-size N            decode: tokens per page, a power of two 1..128 (default 64)
   --kv-dtype bf16|fp16|fp8 decode: cache and query dtype; prefill: q/k/v dtype (default bf16)
@@ -140,6 +142,7 @@ Options parse_options(int argc, char** argv) {
       if (arg == "--batch") o.single.batch = int(parse_int(arg, value, 1, kMax32));
       else if (arg == "--heads") o.single.heads = int(parse_int(arg, value, 1, kMaxHeads));
       else if (arg == "--kv-len") o.single.kv_len = int(parse_int(arg, value, 0, kMax32));
+      else if (arg == "--kv-min") o.single.kv_min = int(parse_int(arg, value, 0, kMax32));
       else if (arg == "--q-len") o.single.q_len = int(parse_int(arg, value, 1, kMax32));
       else if (arg == "--page-size") o.single.page_size = int(parse_int(arg, value, 1, kMaxPageSize));
       else if (arg == "--kv-dtype") o.single.kv_dtype = parse_dtype(value);
@@ -150,6 +153,9 @@ Options parse_options(int argc, char** argv) {
   if (!o.sweep.empty() && o.case_options_given)
     usage_error("--sweep and the single-case options (--batch, --heads, ...) are exclusive");
   if (o.sweep.empty() && !o.case_options_given) o.sweep = "default";
+  if (o.single.kv_min > o.single.kv_len)
+    usage_error("--kv-min " + std::to_string(o.single.kv_min) + " is past --kv-len " +
+                std::to_string(o.single.kv_len));
   return o;
 }
 

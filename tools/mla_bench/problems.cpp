@@ -16,8 +16,9 @@ const char* op_name(Op op) { return op == Op::kDecode ? "decode" : "prefill"; }
 std::string describe(const BenchCase& c) {
   std::ostringstream os;
   if (c.op == Op::kDecode) {
-    os << "decode b=" << c.batch << " h=" << c.heads << " kv=" << c.kv_len << " q=" << c.q_len
-       << " page=" << c.page_size << " " << dtype_name(c.kv_dtype);
+    os << "decode b=" << c.batch << " h=" << c.heads << " kv=";
+    if (c.kv_min >= 0) os << c.kv_min << "..";
+    os << c.kv_len << " q=" << c.q_len << " page=" << c.page_size << " " << dtype_name(c.kv_dtype);
   } else {
     os << "prefill tokens=" << c.tokens << " b=" << c.batch << " h=" << c.heads << " "
        << dtype_name(c.kv_dtype);
@@ -104,7 +105,8 @@ float fp8_range_or(DType dtype, float scale, float plain) {
 }  // namespace
 
 DecodeProblem make_decode_problem(const BenchCase& c, uint64_t seed) {
-  MLA_CHECK(c.batch >= 1 && c.heads >= 1 && c.kv_len >= 0 && c.q_len >= 1 && c.page_size >= 1,
+  MLA_CHECK(c.batch >= 1 && c.heads >= 1 && c.kv_len >= 0 && c.q_len >= 1 && c.page_size >= 1 &&
+                c.kv_min <= c.kv_len,
             "decode case out of range: ", describe(c));
   Rng rng(seed);
   DecodeProblem p;
@@ -132,13 +134,18 @@ DecodeProblem make_decode_problem(const BenchCase& c, uint64_t seed) {
   std::iota(perm.begin(), perm.end(), 0);
   for (int i = p.num_pages - 1; i > 0; --i) std::swap(perm[size_t(i)], perm[size_t(rng.below(i + 1))]);
   p.block_table.assign(size_t(c.batch) * size_t(p.max_blocks), -1);
+  // Every request kv_len tokens, or (kv_min >= 0) a length drawn from [kv_min, kv_len]; each
+  // holds kv_len tokens' pages, the ones past its length unused.
   p.kv_lens.assign(size_t(c.batch), c.kv_len);
+  if (c.kv_min >= 0)
+    for (int32_t& kv : p.kv_lens) kv = c.kv_min + int32_t(rng.next() % (uint64_t(c.kv_len - c.kv_min) + 1));
   std::vector<int32_t> tokens_in_page(size_t(p.num_pages), 0);
   for (int b = 0; b < c.batch; ++b) {
+    const int kv = p.kv_lens[size_t(b)];
     for (int j = 0; j < pages_per_request; ++j) {
       const int32_t page = perm[size_t(b) * size_t(pages_per_request) + size_t(j)];
       p.block_table[size_t(b) * size_t(p.max_blocks) + size_t(j)] = page;
-      tokens_in_page[size_t(page)] = std::min(S, c.kv_len - j * S);
+      tokens_in_page[size_t(page)] = std::clamp(kv - j * S, 0, S);
     }
   }
 

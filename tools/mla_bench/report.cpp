@@ -135,6 +135,7 @@ void write_json(const std::string& path, const Report& r) {
     os << ", \"heads\": " << c.heads;
     os << ", \"batch\": " << c.batch;
     os << ", \"kv_len\": " << (decode ? int64_t(c.kv_len) : prefill_mean_len(c));
+    if (decode && c.kv_min >= 0) os << ", \"kv_min\": " << c.kv_min;  // mixed lengths only
     os << ", \"q_len\": " << (decode ? int64_t(c.q_len) : prefill_mean_len(c));
     os << ", \"page_size\": " << (decode ? std::to_string(c.page_size) : "null");
     os << ", \"kv_dtype\": " << json_string(std::string(dtype_name(c.kv_dtype)));
