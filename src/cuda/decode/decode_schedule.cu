@@ -35,12 +35,13 @@
 // thread owns a contiguous range of requests; three passes over them (cost, counts, writes) are
 // joined by block-wide exclusive scans. When every unit costs the same (equal mode, or equal
 // units laid whole, several a part) the counts follow in closed form from a unit's index, and
-// the second pass and its scan are skipped (0.2-0.5 us at B 1-256, bench/results/ab-s16). Sizing the CTA to the batch takes 0.3-0.6 us (5-8 %) off
-// the plan at B 1-256 against a fixed 512 threads; two requests a thread instead of one costs
-// more than it saves, with loops (bench/results/ab-s12) and without (ab-s13). The plan is one
-// thread's chain of dependent instructions: the 32-bit line, the kernel without loops for one
-// unit a thread and the one-barrier scans took it from 6.0-6.7 to 4.7-5.4 us event-timed on the
-// H200 (bench/results/ab-s13).
+// the second pass and its scan are skipped (0.2-0.5 us at B 1-256, bench/results/ab-s16).
+// Sizing the CTA to the batch takes 0.3-0.6 us (5-8 %) off the plan at B 1-256 against a fixed
+// 512 threads; two requests a thread instead of one costs more than it saves, with loops
+// (bench/results/ab-s12) and without (ab-s13). The plan is one thread's chain of dependent
+// instructions: the 32-bit line, the kernel without loops for one unit a thread and the
+// one-barrier scans took it from 6.0-6.7 to 4.7-5.4 us event-timed on the H200
+// (bench/results/ab-s13).
 #include <cuda_runtime.h>
 
 #include <algorithm>
