@@ -143,6 +143,11 @@ void check_plan(const std::vector<int>& kv_lens, int heads, int q_len, int num_p
     }
   }
   EXPECT_EQ(h.num_split_units, split_units);
+  // The header's max_pieces (the combine kernel's shape): the most pieces of one unit, 1 if none
+  // is split.
+  size_t most_pieces = 1;
+  for (const auto& entry : units) most_pieces = std::max(most_pieces, entry.second.size());
+  EXPECT_EQ(h.max_pieces, int(most_pieces));
   for (size_t i = 0; i < slot_used.size(); ++i) EXPECT_EQ(slot_used[i], 1) << "slot " << i << " unused";
 }
 
@@ -173,8 +178,8 @@ TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
       for (size_t i = 0; i < gaps.size(); ++i) gaps[i] = i % 2 ? 0 : 1 + int(i % 700);
       check_plan(gaps, heads, 1, num_parts);
       check_plan(std::vector<int>(64, 4096), heads, 1, num_parts);
-      // Equal units laid whole, several a part (B 256 kv 1k: a payload of two units), and units
-      // of no keys only.
+      // Equal units laid whole, several a part (B 256 kv 1k: a payload of two units); units of no
+      // keys only (a line of fixed costs, counted by the scan).
       check_plan(std::vector<int>(256, 1024), heads, 1, num_parts);
       check_plan(std::vector<int>(300, 0), heads, 1, num_parts);
       // Equal units laid whole, with loops (on 132 parts: three requests a thread, payload 8
@@ -191,6 +196,12 @@ TEST(GpuDecodeSchedule, EveryPartRunsItsItemsAndEveryKeyOnce) {
         // The kernel with loops (two row tiles a request and one lane when the parts are fewer
         // than the tiles): a row tile before the last one of an INT_MAX request.
         if (num_parts == 1) check_plan({INT_MAX, INT_MAX - 1, 5}, heads, 5, num_parts);
+        // The closed forms on the 64-bit line: equal mode (64 requests on 128 parts, two pieces
+        // each) and units laid whole (127 on 64 parts, two a part).
+        if (num_parts == 132) {
+          check_plan(std::vector<int>(64, INT_MAX), heads, 1, 128, 2);
+          check_plan(std::vector<int>(127, INT_MAX), heads, 1, 64);
+        }
       }
     }
   }
