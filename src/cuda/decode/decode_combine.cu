@@ -305,8 +305,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     if (valid) {
       const int64_t token = g.q_start + r / num_heads;
       const int head = r % num_heads;
-      const int64_t elem = p.out_dtype == kOutFP32 ? 4 : 2;
-      void* row_base = static_cast<char*>(p.out) + (token * p.out_stride_t + head * p.out_stride_h) * elem;
+      void* row_base = out_row(p, token, head);
       const int first = warp - j;
 #pragma unroll 1
       for (int i = j; i < 4; i += w) {
