@@ -559,137 +559,193 @@ struct ConsumerSmem {
 // No deadlock: before a warpgroup waits for a group the other one releases, it has released
 // everything the other one waits for (each first waits on the groups it released itself).
 
+// The pairs of one item, per warpgroup (see the exchange order above): O += P V over the item's
+// tiles, with the rows' running max m and sum l. xb_phase is the parity of kXB (WG1: completes
+// once per pair with an odd tile) or of kXA / kXC (WG2: each once per pair).
 // WG1: O[:, 0:256] and the scores of even tiles.
 template <typename T>
-__device__ void run_left(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
+__device__ __forceinline__ void left_pairs(const HopperParams& hp, const ItemRange& r, const RowState& rs,
+                                           ConsumerSmem& sm, int wt, int lane, float (&o)[128],
+                                           float (&m)[2], float (&l)[2], uint32_t& b_phase,
+                                           uint32_t (&phase)[2]) {
   const DecodeParams& p = hp.p;
-  const int wt = threadIdx.x - 128;
-  const int lane = wt & 31;
-  ConsumerSmem sm(smem);
-  uint32_t b_phase = 0;  // parity of kXB (completes once per pair with an odd tile)
-  uint32_t phase[2] = {0, 0};
-  uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
+  float s[32];
+  if (r.num_tiles > 0) tile_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0], s);
+  if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceScores);
 
-  for (int it = begin; it < end; ++it) {
-    const WorkItem item = fetch_item(p, it, lane_of_cta);
-    const ItemRange r = item_range(p.layout, item, hp.block_m);
-    if (r.valid_rows <= 0) continue;
-    start_item<T>(p, r, smem, wt);
-    if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceQ);
-    const RowState rs = row_state(p, r, wt);
-    float m[2] = {-INFINITY, -INFINITY};
-    float l[2] = {0.0f, 0.0f};
-    float o[128];
+  for (int t = 0; t < r.num_tiles; t += 2) {
+    const bool has_odd = t + 1 < r.num_tiles;
+    const bool has_next = t + 2 < r.num_tiles;
+    const int key0 = r.kv_begin + t * kBlockN;
+    float tile_max[2];
+    mask_scores(p, r, rs, key0, lane, s, tile_max);
+    float m0[2], c0[2], m1[2], c1[2] = {1.0f, 1.0f}, sum[2];
+    uint32_t pk[8][2];
 #pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.0f;
-    float s[32];
-    if (r.num_tiles > 0) tile_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0], s);
-    if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceScores);
+    for (int j = 0; j < 2; ++j) {
+      m0[j] = fmaxf(m[j], tile_max[j]);
+      c0[j] = rescale(m[j], m0[j]);
+    }
+    exp_scores<T>(s, p.score_scale_log2, m0, pk, sum);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) l[j] = l[j] * c0[j] + sum[j];
+    sm.publish(kXA, kBarLeft, nullptr, 0, sm.m0, sm.c0, rs, m0, c0, lane);  // m0, c0 to WG2
 
-    for (int t = 0; t < r.num_tiles; t += 2) {
-      const bool has_odd = t + 1 < r.num_tiles;
-      const bool has_next = t + 2 < r.num_tiles;
-      const int key0 = r.kv_begin + t * kBlockN;
-      float tile_max[2];
-      mask_scores(p, r, rs, key0, lane, s, tile_max);
-      float m0[2], c0[2], m1[2], c1[2] = {1.0f, 1.0f}, sum[2];
-      uint32_t pk[8][2];
+    const int keys0 = r.kv_end - key0;
+    if (keys0 < kBlockN) {
+      named_sync(kBarLeft, 128);  // every warp's part of S0 is done reading the rows zeroed here
+      zero_tail_rows(sm.stage0 + group_first_box(kGroupL) * kBoxBytes, keys0, wt, kBarLeft);
+    }
+    scale_o(o, c0);
+    pv_rs<T>(pk, sm.st0 + group_first_box(kGroupL) * kBoxBytes, o);
+
+    wgmma_wait<0>();  // P0 V0_L
+    fence_operands(o);
+    fence_operands(pk);  // P0 V0_L read pk until here: its registers must not be reused before
+    sm.release(0, kGroupL, -1, lane);
+
+    // m1, c1 and P1 from WG2; then P0 at the pair's final max to WG2 (exp2(S0 - m1), rounded
+    // once). The next pair's kXA / kXC arrivals wait for stage 0's next tile, which WG2
+    // releases only after its waits on this pair's kXA and kXC; WG2's next kXB arrival
+    // follows its wait on the next kXA.
+    if (has_odd) {
+      mbar_wait(&sm.xbar[kXB], b_phase);
+      b_phase ^= 1;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        m0[j] = fmaxf(m[j], tile_max[j]);
-        c0[j] = rescale(m[j], m0[j]);
+        c1[j] = sm.c1[rs.row_local[j]];
+        m1[j] = sm.m1[rs.row_local[j]];
       }
-      exp_scores<T>(s, p.score_scale_log2, m0, pk, sum);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) l[j] = l[j] * c0[j] + sum[j];
-      sm.publish(kXA, kBarLeft, nullptr, 0, sm.m0, sm.c0, rs, m0, c0, lane);  // m0, c0 to WG2
-
-      const int keys0 = r.kv_end - key0;
-      if (keys0 < kBlockN) {
-        named_sync(kBarLeft, 128);  // every warp's part of S0 is done reading the rows zeroed here
-        zero_tail_rows(sm.stage0 + group_first_box(kGroupL) * kBoxBytes, keys0, wt, kBarLeft);
+      // P0 at m1: the P0 in pk (at m0) unless a row of the warp got a new max in the odd tile.
+      if (__any_sync(0xffffffffu, c1[0] != 1.0f || c1[1] != 1.0f)) {
+        float unused[2];
+        exp_scores<T>(s, p.score_scale_log2, m1, pk, unused);
       }
-      scale_o(o, c0);
-      pv_rs<T>(pk, sm.st0 + group_first_box(kGroupL) * kBoxBytes, o);
-
-      wgmma_wait<0>();  // P0 V0_L
-      fence_operands(o);
-      fence_operands(pk);  // P0 V0_L read pk until here: its registers must not be reused before
-      sm.release(0, kGroupL, -1, lane);
-
-      // m1, c1 and P1 from WG2; then P0 at the pair's final max to WG2 (exp2(S0 - m1), rounded
-      // once). The next pair's kXA / kXC arrivals wait for stage 0's next tile, which WG2
-      // releases only after its waits on this pair's kXA and kXC; WG2's next kXB arrival
-      // follows its wait on the next kXA.
-      if (has_odd) {
-        mbar_wait(&sm.xbar[kXB], b_phase);
-        b_phase ^= 1;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          c1[j] = sm.c1[rs.row_local[j]];
-          m1[j] = sm.m1[rs.row_local[j]];
-        }
-        // P0 at m1: the P0 in pk (at m0) unless a row of the warp got a new max in the odd tile.
-        if (__any_sync(0xffffffffu, c1[0] != 1.0f || c1[1] != 1.0f)) {
-          float unused[2];
-          exp_scores<T>(s, p.score_scale_log2, m1, pk, unused);
-        }
-      } else {
-        m1[0] = m0[0];
-        m1[1] = m0[1];
-      }
-      sm.publish(kXC, kBarLeft, &pk, 0, nullptr, nullptr, rs, m1, c1, lane);
-      m[0] = m1[0];
-      m[1] = m1[1];
-
-      if (has_odd) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) l[j] *= c1[j];
-        const int keys1 = r.kv_end - (key0 + kBlockN);
-        if (keys1 < kBlockN) zero_tail_rows(sm.stage1 + group_first_box(kGroupL) * kBoxBytes, keys1, wt, kBarLeft);
-        mbar_wait(&sm.full[1 * kGroups + kGroupL], phase[1]);
-        scale_o(o, c1);
-        pv_ss<T>(sm.st1 + kPeBox * kBoxBytes, sm.st1 + group_first_box(kGroupL) * kBoxBytes, o);
-      }
-      if (has_next) {
-        wgmma_fence();
-        issue_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0] ^ 1, s, 0, 1);  // group L
-        if (has_odd) {
-          wgmma_wait<1>();  // P1 V1_L
-          fence_operands(o);
-          sm.release(1, kGroupL, kGroupPe, lane);
-        }
-        issue_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0] ^ 1, s, 1, kGroups);
-        wgmma_wait<0>();
-        fence_operands(o);
-        fence_operands(s);
-      } else {
-        // Unconditional wait: ptxas must see every committed group waited for on every path, or
-        // it waits at the loop's back edge itself and serialises every wgmma of the kernel.
-        wgmma_wait<0>();
-        fence_operands(o);
-        if (has_odd) sm.release(1, kGroupL, kGroupPe, lane);
-      }
-      phase[0] ^= 1;
-      if (has_odd) phase[1] ^= 1;
-      if (wt == 0) MLA_DECODE_STAMP_PAIR(t / 2);
+    } else {
+      m1[0] = m0[0];
+      m1[1] = m0[1];
     }
-    float inv_l[2];
-    finish_rows(p, r, item, rs, smem, true, it, sums_phase, l, m, lane, inv_l);
-    if (wt == 0) MLA_DECODE_STAMP(kTraceSums);
-    store_o(p, r, item, o, rs.row_local, inv_l, 0, lane);
-    if (wt == 0) MLA_DECODE_STAMP(kTraceStoredL);
+    sm.publish(kXC, kBarLeft, &pk, 0, nullptr, nullptr, rs, m1, c1, lane);
+    m[0] = m1[0];
+    m[1] = m1[1];
+
+    if (has_odd) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) l[j] *= c1[j];
+      const int keys1 = r.kv_end - (key0 + kBlockN);
+      if (keys1 < kBlockN) zero_tail_rows(sm.stage1 + group_first_box(kGroupL) * kBoxBytes, keys1, wt, kBarLeft);
+      mbar_wait(&sm.full[1 * kGroups + kGroupL], phase[1]);
+      scale_o(o, c1);
+      pv_ss<T>(sm.st1 + kPeBox * kBoxBytes, sm.st1 + group_first_box(kGroupL) * kBoxBytes, o);
+    }
+    if (has_next) {
+      wgmma_fence();
+      issue_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0] ^ 1, s, 0, 1);  // group L
+      if (has_odd) {
+        wgmma_wait<1>();  // P1 V1_L
+        fence_operands(o);
+        sm.release(1, kGroupL, kGroupPe, lane);
+      }
+      issue_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0] ^ 1, s, 1, kGroups);
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(s);
+    } else {
+      // Unconditional wait: ptxas must see every committed group waited for on every path, or
+      // it waits at the loop's back edge itself and serialises every wgmma of the kernel.
+      wgmma_wait<0>();
+      fence_operands(o);
+      if (has_odd) sm.release(1, kGroupL, kGroupPe, lane);
+    }
+    phase[0] ^= 1;
+    if (has_odd) phase[1] ^= 1;
+    if (wt == 0) MLA_DECODE_STAMP_PAIR(t / 2);
   }
 }
 
 // WG2: O[:, 256:512] and the scores of odd tiles.
 template <typename T>
-__device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
+__device__ __forceinline__ void right_pairs(const HopperParams& hp, const ItemRange& r, const RowState& rs,
+                                            ConsumerSmem& sm, int wt, int lane, float (&o)[128],
+                                            float (&m)[2], float (&l)[2], uint32_t& x_phase,
+                                            uint32_t (&phase)[2]) {
   const DecodeParams& p = hp.p;
-  const int wt = threadIdx.x - 256;
+  float s[32];
+  if (r.num_tiles > 1) tile_scores<T, 1>(sm.sq_addr, sm.st1, sm.full, phase[1], s);
+
+  for (int t = 0; t < r.num_tiles; t += 2) {
+    const bool has_odd = t + 1 < r.num_tiles;
+    const bool has_next_odd = t + 3 < r.num_tiles;
+    const int key0 = r.kv_begin + t * kBlockN;
+    float tile_max[2] = {-INFINITY, -INFINITY};
+    if (has_odd) mask_scores(p, r, rs, key0 + kBlockN, lane, s, tile_max);
+
+    mbar_wait(&sm.xbar[kXA], x_phase);  // m0, c0
+    float m0[2], c0[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      m0[j] = sm.m0[rs.row_local[j]];
+      c0[j] = sm.c0[rs.row_local[j]];
+    }
+    uint32_t pk[8][2];
+    if (has_odd) {
+      float c1[2], sum[2], c01[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        m[j] = fmaxf(m0[j], tile_max[j]);
+        c1[j] = rescale(m0[j], m[j]);
+        c01[j] = c0[j] * c1[j];
+      }
+      exp_scores<T>(s, p.score_scale_log2, m, pk, sum);
+      sm.publish(kXB, kBarRight, &pk, 1, sm.m1, sm.c1, rs, m, c1, lane);  // P1, m1, c1 to WG1
+#pragma unroll
+      for (int j = 0; j < 2; ++j) l[j] = l[j] * c01[j] + sum[j];
+      const int keys1 = r.kv_end - (key0 + kBlockN);
+      if (keys1 < kBlockN) zero_tail_rows(sm.stage1 + group_first_box(kGroupR) * kBoxBytes, keys1, wt, kBarRight);
+      scale_o(o, c01);
+      pv_rs<T>(pk, sm.st1 + group_first_box(kGroupR) * kBoxBytes, o);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        m[j] = m0[j];
+        l[j] *= c0[j];
+      }
+      scale_o(o, c0);
+    }
+
+    // O_R += P0' V0_R with P0' = P0 at the pair's final max, from WG1.
+    mbar_wait(&sm.xbar[kXC], x_phase);
+    x_phase ^= 1;
+    const int keys0 = r.kv_end - key0;
+    if (keys0 < kBlockN) zero_tail_rows(sm.stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
+    mbar_wait(&sm.full[0 * kGroups + kGroupR], phase[0]);
+    pv_ss<T>(sm.st0 + kPeBox * kBoxBytes, sm.st0 + group_first_box(kGroupR) * kBoxBytes, o);
+    if (has_odd) {
+      wgmma_wait<1>();  // P1 V1_R
+      fence_operands(o);
+      fence_operands(pk);  // P1 V1_R read pk until here
+      sm.release(1, kGroupR, -1, lane);
+    }
+    wgmma_wait<0>();  // P0' V0_R
+    fence_operands(o);
+    sm.release(0, kGroupR, kGroupPe, lane);
+    if (has_next_odd) tile_scores<T, 1>(sm.sq_addr, sm.st1, sm.full, phase[1] ^ 1, s);
+    phase[0] ^= 1;
+    if (has_odd) phase[1] ^= 1;
+  }
+}
+
+// Both consumer warpgroups, one item loop and one epilogue: the warpgroup (left: WG1) picks its
+// pairs, and both run the same row sums and stores (one copy of that code, whose lines an SM
+// fetches once per item for both warpgroups instead of once each).
+template <typename T>
+__device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta,
+                             bool left) {
+  const DecodeParams& p = hp.p;
+  const int wt = int(threadIdx.x) - (left ? 128 : 256);
   const int lane = wt & 31;
   ConsumerSmem sm(smem);
-  uint32_t x_phase = 0;  // parity of kXA and kXC (each completes once per pair)
+  uint32_t xb_phase = 0;
   uint32_t phase[2] = {0, 0};
   uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
 
@@ -697,80 +753,23 @@ __device__ void run_right(const HopperParams& hp, uint8_t* smem, int begin, int 
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     if (r.valid_rows <= 0) continue;
-    start_item<T>(p, r, smem, wt + 128);
+    start_item<T>(p, r, smem, int(threadIdx.x) - 128);
+    if (left && wt == 0) MLA_DECODE_STAMP_FIRST(kTraceQ);
     const RowState rs = row_state(p, r, wt);
     float m[2] = {-INFINITY, -INFINITY};
     float l[2] = {0.0f, 0.0f};
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.0f;
-    float s[32];
-    if (r.num_tiles > 1) tile_scores<T, 1>(sm.sq_addr, sm.st1, sm.full, phase[1], s);
-
-    for (int t = 0; t < r.num_tiles; t += 2) {
-      const bool has_odd = t + 1 < r.num_tiles;
-      const bool has_next_odd = t + 3 < r.num_tiles;
-      const int key0 = r.kv_begin + t * kBlockN;
-      float tile_max[2] = {-INFINITY, -INFINITY};
-      if (has_odd) mask_scores(p, r, rs, key0 + kBlockN, lane, s, tile_max);
-
-      mbar_wait(&sm.xbar[kXA], x_phase);  // m0, c0
-      float m0[2], c0[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        m0[j] = sm.m0[rs.row_local[j]];
-        c0[j] = sm.c0[rs.row_local[j]];
-      }
-      uint32_t pk[8][2];
-      if (has_odd) {
-        float c1[2], sum[2], c01[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          m[j] = fmaxf(m0[j], tile_max[j]);
-          c1[j] = rescale(m0[j], m[j]);
-          c01[j] = c0[j] * c1[j];
-        }
-        exp_scores<T>(s, p.score_scale_log2, m, pk, sum);
-        sm.publish(kXB, kBarRight, &pk, 1, sm.m1, sm.c1, rs, m, c1, lane);  // P1, m1, c1 to WG1
-#pragma unroll
-        for (int j = 0; j < 2; ++j) l[j] = l[j] * c01[j] + sum[j];
-        const int keys1 = r.kv_end - (key0 + kBlockN);
-        if (keys1 < kBlockN) zero_tail_rows(sm.stage1 + group_first_box(kGroupR) * kBoxBytes, keys1, wt, kBarRight);
-        scale_o(o, c01);
-        pv_rs<T>(pk, sm.st1 + group_first_box(kGroupR) * kBoxBytes, o);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          m[j] = m0[j];
-          l[j] *= c0[j];
-        }
-        scale_o(o, c0);
-      }
-
-      // O_R += P0' V0_R with P0' = P0 at the pair's final max, from WG1.
-      mbar_wait(&sm.xbar[kXC], x_phase);
-      x_phase ^= 1;
-      const int keys0 = r.kv_end - key0;
-      if (keys0 < kBlockN) zero_tail_rows(sm.stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
-      mbar_wait(&sm.full[0 * kGroups + kGroupR], phase[0]);
-      pv_ss<T>(sm.st0 + kPeBox * kBoxBytes, sm.st0 + group_first_box(kGroupR) * kBoxBytes, o);
-      if (has_odd) {
-        wgmma_wait<1>();  // P1 V1_R
-        fence_operands(o);
-        fence_operands(pk);  // P1 V1_R read pk until here
-        sm.release(1, kGroupR, -1, lane);
-      }
-      wgmma_wait<0>();  // P0' V0_R
-      fence_operands(o);
-      sm.release(0, kGroupR, kGroupPe, lane);
-      if (has_next_odd) tile_scores<T, 1>(sm.sq_addr, sm.st1, sm.full, phase[1] ^ 1, s);
-      phase[0] ^= 1;
-      if (has_odd) phase[1] ^= 1;
-    }
+    if (left)
+      left_pairs<T>(hp, r, rs, sm, wt, lane, o, m, l, xb_phase, phase);
+    else
+      right_pairs<T>(hp, r, rs, sm, wt, lane, o, m, l, xb_phase, phase);
     float inv_l[2];
-    finish_rows(p, r, item, rs, smem, false, it, sums_phase, l, m, lane, inv_l);
-    store_o(p, r, item, o, rs.row_local, inv_l, 256, lane);
-    if (wt == 0) MLA_DECODE_STAMP(kTraceStoredR);
+    finish_rows(p, r, item, rs, smem, left, it, sums_phase, l, m, lane, inv_l);
+    if (left && wt == 0) MLA_DECODE_STAMP(kTraceSums);
+    store_o(p, r, item, o, rs.row_local, inv_l, left ? 0 : 256, lane);
+    if (wt == 0) MLA_DECODE_STAMP(left ? kTraceStoredL : kTraceStoredR);
   }
 }
 
@@ -809,16 +808,15 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   cta_work(p, hp.block_m, &begin, &end, &lane);
   if (threadIdx.x == 0) MLA_DECODE_STAMP(kTraceWork);
 
-  const int wg = threadIdx.x >> 7;
+  // The warpgroup, as a value ptxas can see is the same across each warp (a shuffle from lane 0):
+  // the consumers' branch on it inside their item loop then is not a divergent path.
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) >> 7, 0);
   if (wg == 0) {
     setmaxnreg_dec<40>();
     if (threadIdx.x == 0 || threadIdx.x == 32) run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
-  } else if (wg == 1) {
-    setmaxnreg_inc<232>();
-    run_left<T>(hp, smem, begin, end, lane);
   } else {
     setmaxnreg_inc<232>();
-    run_right<T>(hp, smem, begin, end, lane);
+    run_consumer<T>(hp, smem, begin, end, lane, wg == 1);
   }
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   __syncthreads();
