@@ -38,6 +38,11 @@ def main():
                 group = [[], [], grid]
                 calls.append(group)
             group[0].append((cta, begin, count, t0, stamps))
+        elif line.startswith("ETRACE") and group is not None:
+            # Every CTA: entry, first S, row sums, end (absolute ns, 0: not reached; newer builds).
+            while len(group) < 4:
+                group.append([])
+            group[3].append(tuple(int(x) for x in line.split()[1:6]))
         elif line.startswith("CTRACE") and group is not None:
             m = re.match(r"CTRACE grid (\d+) cta (\d+) rows (\d+) t0 (\d+) \| (-?\d+) (-?\d+)((?: -?\d+)*)", line)
             head = tuple(map(int, m.groups()[:6]))
@@ -59,6 +64,18 @@ def report(call):
     for cta, begin, count, t0, stamps in decode:
         rel = [f"{(t0 - base + s) / 1000:6.1f}" if s >= 0 else "     -" for s in stamps]
         print(f"  {cta:3d} {begin:3d}/{count:<2d} {(t0 - base) / 1000:5.1f} " + " ".join(rel))
+    if len(call) > 3:
+        # Every CTA with work: when its first S, row sums and end came; the latest five in full.
+        us = lambda t: (t - base) / 1000 if t else float("nan")
+        busy = sorted((r for r in call[3] if r[2]), key=lambda r: r[4])
+        if busy:
+            ends = [us(r[4]) for r in busy]
+            firsts = sorted(us(r[2]) for r in busy)
+            print(f"  {len(busy)} CTAs with work: first S {firsts[0]:.1f} / {firsts[len(firsts) // 2]:.1f} / "
+                  f"{firsts[-1]:.1f}, end {ends[0]:.1f} / {ends[len(ends) // 2]:.1f} / {ends[-1]:.1f} us "
+                  f"(min / median / max)")
+            for c, t0, s, sums, end in busy[-5:]:
+                print(f"    late cta {c:3d}: entry {us(t0):.1f} S {us(s):.1f} sums {us(sums):.1f} end {us(end):.1f}")
     for grid, cta, rows, t0, waited, end, job in combine:
         # The first job's stamps (newer builds): LSE, first step added, all steps, warps met, stored.
         steps = " ".join(f"{n} {(t0 - base + s) / 1000:.1f}" if s >= 0 else f"{n} -"

@@ -202,7 +202,7 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   // Trace builds: one buffer for the process (common/trace.cuh), zeroed once.
   static unsigned long long* trace = [] {
     void* buf = nullptr;
-    const size_t bytes = sizeof(unsigned long long) * kDecodeTraceCtas * kDecodeTraceWords;
+    const size_t bytes = sizeof(unsigned long long) * kDecodeTraceBufferWords;
     MLA_CUDA_CHECK(cudaMalloc(&buf, bytes));
     MLA_CUDA_CHECK(cudaMemset(buf, 0, bytes));
     return static_cast<unsigned long long*>(buf);

@@ -823,6 +823,13 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   if (threadIdx.x == 0) {
     MLA_DECODE_STAMP(kTraceEnd);
     decode_trace_store(p, begin, end);
+    if (p.trace != nullptr && p.has_schedule && blockIdx.x < kDecodeTraceGridCtas) {
+      unsigned long long* w = p.trace + kDecodeTraceGrid + 4 * blockIdx.x;
+      w[0] = decode_trace[kTraceEntry];
+      w[1] = decode_trace[kTraceScores];
+      w[2] = decode_trace[kTraceSums];
+      w[3] = decode_trace[kTraceEnd];
+    }
   }
 #endif
 }
