@@ -72,11 +72,15 @@ template <> struct GmmaOps<__nv_bfloat16> {
   using SS64 = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
   using RS256 = gmma::MMA_64x256x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
   using SS256 = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;
+  using SS16 = gmma::MMA_64x16x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+  using SS16MN = gmma::MMA_64x16x16_F32BF16BF16_SS<gmma::Major::MN, gmma::Major::K>;
 };
 template <> struct GmmaOps<__half> {
   using SS64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>;
   using RS256 = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>;
   using SS256 = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<gmma::Major::K, gmma::Major::MN>;
+  using SS16 = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>;
+  using SS16MN = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_SS<gmma::Major::MN, gmma::Major::K>;
 };
 
 template <typename Op, size_t... I>
@@ -105,6 +109,21 @@ template <typename T>
 __device__ __forceinline__ void wgmma_64x256_ss(uint64_t da, uint64_t db, float (&d)[128]) {
   gmma_ss<typename GmmaOps<T>::SS256>(da, db, d, true, std::make_index_sequence<128>{});
 }
+
+// The narrow shapes, for tiles of at most 16 query rows with the keys (or the value dims) as M:
+// D[64x16] (+)= A[64x16] B[16x16]^T, both K-major (S^T = K Q^T: A a key box, B the query box);
+template <typename T>
+__device__ __forceinline__ void wgmma_64x16(uint64_t da, uint64_t db, float (&d)[8], bool accumulate) {
+  gmma_ss<typename GmmaOps<T>::SS16>(da, db, d, accumulate, std::make_index_sequence<8>{});
+}
+// D[64x16] (+)= A[64x16] B[16x16]^T with A MN-major (the 64 M values of each K row contiguous:
+// O^T = V^T P^T, A a value box as TMA writes it, rows = keys) and B K-major (P, rows = queries).
+template <typename T>
+__device__ __forceinline__ void wgmma_64x16_mn(uint64_t da, uint64_t db, float (&d)[8], bool accumulate) {
+  gmma_ss<typename GmmaOps<T>::SS16MN>(da, db, d, accumulate, std::make_index_sequence<8>{});
+}
+// In both, thread t of the warpgroup holds D[m][n] in d[4 j + 2 h + e] for m = 16 (t / 32) +
+// (t % 32) / 4 + 8 h and n = 8 j + 2 (t % 4) + e (h, e, j in {0, 1}).
 
 template <int N>
 __device__ __forceinline__ void fence_operands(float (&d)[N]) {

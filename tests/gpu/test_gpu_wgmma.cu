@@ -1,0 +1,159 @@
+// The narrow warpgroup MMA shapes of src/cuda/common/hopper.cuh (m64n16k16, keys or value dims as
+// M), on the tile layouts the Hopper decode kernel keeps in shared memory, against a float64
+// product on the host: S^T = K Q^T (A = a 64-key box, B = the query box, both K-major) and
+// O^T = V^T P^T (A = the same box read MN-major as V^T, B = P, K-major), for bf16 and fp16, over
+// one 64-wide box (four k16 steps). The fragment layout is checked element by element, so a
+// wrong descriptor, major-ness or register order fails here before any kernel uses the shapes.
+#include <gtest/gtest.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "gpu_util.hpp"
+
+#if defined(MLA_TEST_EXPECT_HOPPER)
+#include "cuda/common/hopper.cuh"
+#endif
+
+namespace mla::test {
+namespace {
+
+#if defined(MLA_TEST_EXPECT_HOPPER)
+
+constexpr int kRows = 16;  // query rows (N)
+constexpr int kBox = 64;   // keys (rows of a box) and values a row
+
+// One warpgroup. k: [64 keys][64 dims], q: [16][64], p: [16][64 keys], row-major; st: S^T [64][16],
+// ot: O^T [64 dims][16], fp32.
+template <typename T>
+__global__ void narrow_mma_kernel(const T* k, const T* q, const T* p, float* st, float* ot) {
+#if defined(MLA_SM90A_DEVICE)
+  using namespace mla::cuda::sm90;
+  __shared__ __align__(1024) uint8_t smem[3 * kBox * 128];  // K box, Q box, P box (rows past 16: 0)
+  uint8_t* sk = smem;
+  uint8_t* sq = smem + kBox * 128;
+  uint8_t* sp = smem + 2 * kBox * 128;
+  const int t = int(threadIdx.x);
+  const T zero = T(0.0f);
+  for (int i = t; i < kBox * kBox; i += 128) {
+    const int r = i / kBox, c = i % kBox;
+    *reinterpret_cast<T*>(sk + swizzled_offset(r, c)) = k[i];
+    *reinterpret_cast<T*>(sq + swizzled_offset(r, c)) = r < kRows ? q[r * kBox + c] : zero;
+    *reinterpret_cast<T*>(sp + swizzled_offset(r, c)) = r < kRows ? p[r * kBox + c] : zero;
+  }
+  fence_proxy_async();
+  __syncthreads();
+  float s[8], o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] = o[i] = 0.0f;
+  const uint32_t ak = smem_u32(sk), aq = smem_u32(sq), ap = smem_u32(sp);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)  // S^T over the 64 dims: k16 slice kk of each row
+    wgmma_64x16<T>(k_major_desc(ak + kk * 32), k_major_desc(aq + kk * 32), s, kk > 0);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)  // O^T over the 64 keys: rows [16 kk, 16 kk + 16) of the box
+    wgmma_64x16_mn<T>(mn_major_desc(ak + kk * 16 * 128, kBox * 128), k_major_desc(ap + kk * 32), o, kk > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_operands(s);
+  fence_operands(o);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int j = i >> 2, h = (i >> 1) & 1, e = i & 1;
+    const int m = 16 * (t / 32) + (t % 32) / 4 + 8 * h, n = 8 * j + 2 * (t % 4) + e;
+    st[m * kRows + n] = s[i];
+    ot[m * kRows + n] = o[i];
+  }
+#endif
+}
+
+template <typename T>
+void run_narrow_mma(float (*to_float)(T), T (*from_float)(float)) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<T> k(kBox * kBox), q(kRows * kBox), p(kRows * kBox);
+  for (T& x : k) x = from_float(u(rng));
+  for (T& x : q) x = from_float(u(rng));
+  for (T& x : p) x = from_float(0.5f * (u(rng) + 1.0f));  // softmax weights: in [0, 1]
+  T *dk = nullptr, *dq = nullptr, *dp = nullptr;
+  float *dst = nullptr, *dot = nullptr;
+  MLA_TEST_CUDA(cudaMalloc(&dk, k.size() * sizeof(T)));
+  MLA_TEST_CUDA(cudaMalloc(&dq, q.size() * sizeof(T)));
+  MLA_TEST_CUDA(cudaMalloc(&dp, p.size() * sizeof(T)));
+  MLA_TEST_CUDA(cudaMalloc(&dst, kBox * kRows * sizeof(float)));
+  MLA_TEST_CUDA(cudaMalloc(&dot, kBox * kRows * sizeof(float)));
+  MLA_TEST_CUDA(cudaMemcpy(dk, k.data(), k.size() * sizeof(T), cudaMemcpyHostToDevice));
+  MLA_TEST_CUDA(cudaMemcpy(dq, q.data(), q.size() * sizeof(T), cudaMemcpyHostToDevice));
+  MLA_TEST_CUDA(cudaMemcpy(dp, p.data(), p.size() * sizeof(T), cudaMemcpyHostToDevice));
+  // NaN in the outputs: an element the kernel does not write fails the comparison.
+  MLA_TEST_CUDA(cudaMemset(dst, 0xFF, kBox * kRows * sizeof(float)));
+  MLA_TEST_CUDA(cudaMemset(dot, 0xFF, kBox * kRows * sizeof(float)));
+  narrow_mma_kernel<T><<<1, 128>>>(dk, dq, dp, dst, dot);
+  MLA_TEST_CUDA(cudaGetLastError());
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
+  std::vector<float> st(kBox * kRows), ot(kBox * kRows);
+  MLA_TEST_CUDA(cudaMemcpy(st.data(), dst, st.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  MLA_TEST_CUDA(cudaMemcpy(ot.data(), dot, ot.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  cudaFree(dk);
+  cudaFree(dq);
+  cudaFree(dp);
+  cudaFree(dst);
+  cudaFree(dot);
+
+  int bad = 0;
+  for (int m = 0; m < kBox; ++m) {
+    for (int n = 0; n < kRows; ++n) {
+      double s_ref = 0.0, o_ref = 0.0;
+      for (int c = 0; c < kBox; ++c) {
+        s_ref += double(to_float(k[m * kBox + c])) * double(to_float(q[n * kBox + c]));  // key m . query n
+        o_ref += double(to_float(k[c * kBox + m])) * double(to_float(p[n * kBox + c]));  // V[c][dim m] P[n][c]
+      }
+      const float s_got = st[m * kRows + n], o_got = ot[m * kRows + n];
+      if (!(std::fabs(s_got - s_ref) <= 1e-3 + 1e-4 * std::fabs(s_ref)) && bad++ < 8)
+        ADD_FAILURE() << "S^T[key " << m << "][row " << n << "] = " << s_got << ", expected " << s_ref;
+      if (!(std::fabs(o_got - o_ref) <= 1e-3 + 1e-4 * std::fabs(o_ref)) && bad++ < 8)
+        ADD_FAILURE() << "O^T[dim " << m << "][row " << n << "] = " << o_got << ", expected " << o_ref;
+    }
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+float bf16_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__nv_bfloat16 float_to_bf16(float x) { return __float2bfloat16(x); }
+float half_to_float(__half x) { return __half2float(x); }
+__half float_to_half(float x) { return __float2half(x); }
+
+bool sm90_present() {
+  cudaDeviceProp props{};
+  int device = 0;
+  return cudaGetDevice(&device) == cudaSuccess && cudaGetDeviceProperties(&props, device) == cudaSuccess &&
+         props.major == 9;
+}
+
+#endif  // MLA_TEST_EXPECT_HOPPER
+
+TEST(GpuWgmma, NarrowShapesMatchTheHostProduct) {
+  MLA_REQUIRE_GPU();
+#if defined(MLA_TEST_EXPECT_HOPPER)
+  if (!sm90_present()) GTEST_SKIP() << "needs an sm_90 GPU";
+  {
+    SCOPED_TRACE("bf16");
+    run_narrow_mma<__nv_bfloat16>(bf16_to_float, float_to_bf16);
+  }
+  {
+    SCOPED_TRACE("fp16");
+    run_narrow_mma<__half>(half_to_float, float_to_half);
+  }
+#else
+  GTEST_SKIP() << "this build has no Hopper kernels";
+#endif
+}
+
+}  // namespace
+}  // namespace mla::test
