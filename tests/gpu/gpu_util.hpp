@@ -25,6 +25,25 @@ inline bool gpu_available() {
     if (!::mla::test::gpu_available()) GTEST_SKIP() << "no CUDA GPU present; GPU test skipped"; \
   } while (0)
 
+// Whether this build and device run the Hopper kernels (sm_90 and a build with them); when so,
+// the Hopper tests force them (DecodeKernel::kHopper), so that a silent fallback cannot pass them.
+inline bool hopper_expected() {
+#if defined(MLA_TEST_EXPECT_HOPPER)
+  cudaDeviceProp props{};
+  int device = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaGetDeviceProperties(&props, device) == cudaSuccess && props.major == 9;
+#else
+  return false;
+#endif
+}
+#define MLA_REQUIRE_HOPPER()                                                                    \
+  do {                                                                                          \
+    MLA_REQUIRE_GPU();                                                                          \
+    if (!::mla::test::hopper_expected())                                                        \
+      GTEST_SKIP() << "needs an sm_90 GPU and a build with the Hopper kernel";                 \
+  } while (0)
+
 #define MLA_TEST_CUDA(expr)                                                            \
   do {                                                                                 \
     cudaError_t s_ = (expr);                                                           \

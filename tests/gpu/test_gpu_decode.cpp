@@ -443,24 +443,6 @@ void check_case(DecodeCase c, bool both_modes = false) {
   }
 }
 
-// Whether this build and device run the Hopper kernel (sm_90 and a build with it); when so,
-// the Hopper tests force it (DecodeKernel::kHopper), so that a silent fallback cannot pass them.
-bool hopper_expected() {
-#if defined(MLA_TEST_EXPECT_HOPPER)
-  cudaDeviceProp props{};
-  int device = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaGetDeviceProperties(&props, device) == cudaSuccess && props.major == 9;
-#else
-  return false;
-#endif
-}
-#define MLA_REQUIRE_HOPPER()                                                                    \
-  do {                                                                                          \
-    MLA_REQUIRE_GPU();                                                                          \
-    if (!hopper_expected()) GTEST_SKIP() << "needs an sm_90 GPU and a build with the Hopper kernel"; \
-  } while (0)
-
 DecodeCase hopper_case(int num_heads, int page_size, std::vector<int> kv_lens, int q_len = 1) {
   DecodeCase c = fixed(num_heads, page_size, std::move(kv_lens), q_len);
   c.kernel = DecodeKernel::kHopper;

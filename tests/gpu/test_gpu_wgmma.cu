@@ -11,8 +11,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
-#include <vector>
 
 #include "gpu_util.hpp"
 
@@ -73,52 +73,46 @@ __global__ void narrow_mma_kernel(const T* k, const T* q, const T* p, float* st,
 #endif
 }
 
+// The kernel on random k, q and p of `dtype` (T), against a float64 product of the same values.
 template <typename T>
-void run_narrow_mma(float (*to_float)(T), T (*from_float)(float)) {
+void run_narrow_mma(DType dtype, float (*to_float)(T), T (*from_float)(float)) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<T> k(kBox * kBox), q(kRows * kBox), p(kRows * kBox);
-  for (T& x : k) x = from_float(u(rng));
-  for (T& x : q) x = from_float(u(rng));
-  for (T& x : p) x = from_float(0.5f * (u(rng) + 1.0f));  // softmax weights: in [0, 1]
-  T *dk = nullptr, *dq = nullptr, *dp = nullptr;
-  float *dst = nullptr, *dot = nullptr;
-  MLA_TEST_CUDA(cudaMalloc(&dk, k.size() * sizeof(T)));
-  MLA_TEST_CUDA(cudaMalloc(&dq, q.size() * sizeof(T)));
-  MLA_TEST_CUDA(cudaMalloc(&dp, p.size() * sizeof(T)));
-  MLA_TEST_CUDA(cudaMalloc(&dst, kBox * kRows * sizeof(float)));
-  MLA_TEST_CUDA(cudaMalloc(&dot, kBox * kRows * sizeof(float)));
-  MLA_TEST_CUDA(cudaMemcpy(dk, k.data(), k.size() * sizeof(T), cudaMemcpyHostToDevice));
-  MLA_TEST_CUDA(cudaMemcpy(dq, q.data(), q.size() * sizeof(T), cudaMemcpyHostToDevice));
-  MLA_TEST_CUDA(cudaMemcpy(dp, p.data(), p.size() * sizeof(T), cudaMemcpyHostToDevice));
+  HostTensor k(dtype, {kBox, kBox}), q(dtype, {kRows, kBox}), p(dtype, {kRows, kBox});
+  T* kv = static_cast<T*>(k.data());
+  T* qv = static_cast<T*>(q.data());
+  T* pv = static_cast<T*>(p.data());
+  for (int64_t i = 0; i < k.numel(); ++i) kv[i] = from_float(u(rng));
+  for (int64_t i = 0; i < q.numel(); ++i) qv[i] = from_float(u(rng));
+  for (int64_t i = 0; i < p.numel(); ++i) pv[i] = from_float(0.5f * (u(rng) + 1.0f));  // weights in [0, 1]
   // NaN in the outputs: an element the kernel does not write fails the comparison.
-  MLA_TEST_CUDA(cudaMemset(dst, 0xFF, kBox * kRows * sizeof(float)));
-  MLA_TEST_CUDA(cudaMemset(dot, 0xFF, kBox * kRows * sizeof(float)));
-  narrow_mma_kernel<T><<<1, 128>>>(dk, dq, dp, dst, dot);
+  HostTensor st(DType::kFP32, {kBox, kRows}), ot(DType::kFP32, {kBox, kRows});
+  std::memset(st.data(), 0xFF, st.bytes.size());
+  std::memset(ot.data(), 0xFF, ot.bytes.size());
+  DeviceTensor dk(k), dq(q), dp(p), dst(st), dot(ot);
+  narrow_mma_kernel<T><<<1, 128>>>(static_cast<const T*>(dk.ptr), static_cast<const T*>(dq.ptr),
+                                   static_cast<const T*>(dp.ptr), static_cast<float*>(dst.ptr),
+                                   static_cast<float*>(dot.ptr));
   MLA_TEST_CUDA(cudaGetLastError());
   MLA_TEST_CUDA(cudaDeviceSynchronize());
-  std::vector<float> st(kBox * kRows), ot(kBox * kRows);
-  MLA_TEST_CUDA(cudaMemcpy(st.data(), dst, st.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  MLA_TEST_CUDA(cudaMemcpy(ot.data(), dot, ot.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  cudaFree(dk);
-  cudaFree(dq);
-  cudaFree(dp);
-  cudaFree(dst);
-  cudaFree(dot);
+  dst.download();
+  dot.download();
+  const float* s_got = static_cast<const float*>(st.data());
+  const float* o_got = static_cast<const float*>(ot.data());
 
   int bad = 0;
   for (int m = 0; m < kBox; ++m) {
     for (int n = 0; n < kRows; ++n) {
       double s_ref = 0.0, o_ref = 0.0;
       for (int c = 0; c < kBox; ++c) {
-        s_ref += double(to_float(k[m * kBox + c])) * double(to_float(q[n * kBox + c]));  // key m . query n
-        o_ref += double(to_float(k[c * kBox + m])) * double(to_float(p[n * kBox + c]));  // V[c][dim m] P[n][c]
+        s_ref += double(to_float(kv[m * kBox + c])) * double(to_float(qv[n * kBox + c]));  // key m . query n
+        o_ref += double(to_float(kv[c * kBox + m])) * double(to_float(pv[n * kBox + c]));  // V[c][dim m] P[n][c]
       }
-      const float s_got = st[m * kRows + n], o_got = ot[m * kRows + n];
-      if (!(std::fabs(s_got - s_ref) <= 1e-3 + 1e-4 * std::fabs(s_ref)) && bad++ < 8)
-        ADD_FAILURE() << "S^T[key " << m << "][row " << n << "] = " << s_got << ", expected " << s_ref;
-      if (!(std::fabs(o_got - o_ref) <= 1e-3 + 1e-4 * std::fabs(o_ref)) && bad++ < 8)
-        ADD_FAILURE() << "O^T[dim " << m << "][row " << n << "] = " << o_got << ", expected " << o_ref;
+      const float s_m = s_got[m * kRows + n], o_m = o_got[m * kRows + n];
+      if (!(std::fabs(s_m - s_ref) <= 1e-3 + 1e-4 * std::fabs(s_ref)) && bad++ < 8)
+        ADD_FAILURE() << "S^T[key " << m << "][row " << n << "] = " << s_m << ", expected " << s_ref;
+      if (!(std::fabs(o_m - o_ref) <= 1e-3 + 1e-4 * std::fabs(o_ref)) && bad++ < 8)
+        ADD_FAILURE() << "O^T[dim " << m << "][row " << n << "] = " << o_m << ", expected " << o_ref;
     }
   }
   EXPECT_EQ(bad, 0);
@@ -129,29 +123,19 @@ __nv_bfloat16 float_to_bf16(float x) { return __float2bfloat16(x); }
 float half_to_float(__half x) { return __half2float(x); }
 __half float_to_half(float x) { return __float2half(x); }
 
-bool sm90_present() {
-  cudaDeviceProp props{};
-  int device = 0;
-  return cudaGetDevice(&device) == cudaSuccess && cudaGetDeviceProperties(&props, device) == cudaSuccess &&
-         props.major == 9;
-}
-
 #endif  // MLA_TEST_EXPECT_HOPPER
 
 TEST(GpuWgmma, NarrowShapesMatchTheHostProduct) {
-  MLA_REQUIRE_GPU();
+  MLA_REQUIRE_HOPPER();
 #if defined(MLA_TEST_EXPECT_HOPPER)
-  if (!sm90_present()) GTEST_SKIP() << "needs an sm_90 GPU";
   {
     SCOPED_TRACE("bf16");
-    run_narrow_mma<__nv_bfloat16>(bf16_to_float, float_to_bf16);
+    run_narrow_mma<__nv_bfloat16>(DType::kBF16, bf16_to_float, float_to_bf16);
   }
   {
     SCOPED_TRACE("fp16");
-    run_narrow_mma<__half>(half_to_float, float_to_half);
+    run_narrow_mma<__half>(DType::kFP16, half_to_float, float_to_half);
   }
-#else
-  GTEST_SKIP() << "this build has no Hopper kernels";
 #endif
 }
 
