@@ -786,21 +786,24 @@ TEST(GpuDecodeHopper, VeryLongRequests) {
 
 TEST(GpuDecodeHopper, DtypesLayoutsAndOddParts) {
   MLA_REQUIRE_HOPPER();
-  for (DType t : {DType::kBF16, DType::kFP16}) {
-    for (DType o : {DType::kBF16, DType::kFP16, DType::kFP32}) {
-      DecodeCase c = hopper_case(24, 64, {77, 130, 1, 640});
-      c.q_dtype = c.kv_dtype = t;
-      c.out_dtype = o;
-      c.split_q = o == DType::kFP16;
-      c.q_pad = 8;
-      c.out_pad = o == DType::kFP32 ? 3 : 0;
-      c.num_parts = 7;
-      c.seed = uint64_t(24000 + int(t) * 10 + int(o));
-      check_case(c, /*both_modes=*/true);
-      // An odd output pad: element pairs are not 4-byte aligned (element-wise stores).
-      c.out_pad = 1;
-      c.seed += 5;
-      check_case(c, /*both_modes=*/true);
+  // 24 heads: 32-row tiles (the 64-row consumers); 12 heads: 16-row tiles (the narrow consumers).
+  for (int h : {24, 12}) {
+    for (DType t : {DType::kBF16, DType::kFP16}) {
+      for (DType o : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+        DecodeCase c = hopper_case(h, 64, {77, 130, 1, 640});
+        c.q_dtype = c.kv_dtype = t;
+        c.out_dtype = o;
+        c.split_q = o == DType::kFP16;
+        c.q_pad = 8;
+        c.out_pad = o == DType::kFP32 ? 3 : 0;
+        c.num_parts = 7;
+        c.seed = uint64_t(24000 + h * 100 + int(t) * 10 + int(o));
+        check_case(c, /*both_modes=*/true);
+        // An odd output pad: element pairs are not 4-byte aligned (element-wise stores).
+        c.out_pad = 1;
+        c.seed += 5;
+        check_case(c, /*both_modes=*/true);
+      }
     }
   }
 }

@@ -44,6 +44,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/hopper.cuh"
@@ -782,7 +783,228 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
   }
 }
 
+// ---- Narrow tiles (at most 16 query rows: 16 heads or fewer with one query) ------------------
+// The 64-row tile above computes a 16-row tile as 64 rows, four times the tensor work. Here the
+// keys (or the value dims) are M instead: S^T = K Q^T (m64n16k16, A = a key box as TMA writes it,
+// B = Q's first 16 rows) and O^T = V^T P^T (eight m64n16 blocks over the 512 dims, A = the value
+// box read MN-major, B = P^T in a 16-row box). One consumer warpgroup (WG1) runs every tile of
+// the item, tile t from stage t % 2, so that the next tile loads while this one is computed (a
+// first version gave each warpgroup one stage and waited for every reload: 1-12 % slower than the
+// 64-row tile); the quarter of the tensor work fits one warpgroup. WG2 has nothing to do. A thread
+// holds O^T[d][n] for d = 64 b + 16 (warp) + lane / 4 + 8 h and rows n = 8 j + 2 (lane % 4) + e,
+// in o[8 b + 4 j + 2 h + e].
+//
+// Shared memory inside the Q region (Q uses the first 16 rows, 2 KB, of each of its 9 boxes):
+// P^T at box 0 + 2 KB; the row-max exchange (4 warps x 16 rows) at box 2 + 2 KB; at the end of an
+// item the warps' row sums at 64 KB + 128 and the rows' output staged at 32 KB ([16][512] fp32).
+namespace narrow {
+constexpr int kPBox = 2048;                  // offset of P^T inside box 0
+constexpr int kMaxX = 2 * kBoxBytes + 2048;  // row-max exchange
+constexpr int kStaged = 32768, kSums = 65536 + 128;
+}  // namespace narrow
+
+// Q rows [row0, row0 + valid_rows) of the item (at most 16) -> the first 16 rows of the 9 Q
+// boxes, rows past valid_rows zero. The 128 threads of WG1: 8 a row, chunks wt % 8 + 8 j.
 template <typename T>
+__device__ __forceinline__ void load_q_narrow(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int wt) {
+  constexpr int kChunks = kHeadDim / 8;
+  const int row = wt >> 3, c0 = wt & 7;
+  const bool valid = row < r.valid_rows;
+  const QRow<T> q = q_row<T>(p, r.g.q_start, r.row0 + (valid ? row : 0));
+#pragma unroll
+  for (int j = 0; j < kChunks / 8; ++j) {
+    const int c = c0 + 8 * j;
+    cp_async_16(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8), q.chunk(c), valid);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+}
+
+template <typename T>
+__device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint8_t* smem) {
+  const DecodeParams& p = hp.p;
+  // The work range read here again (the producer's copy lives across its register change, and
+  // ptxas kept a shared one in local memory).
+  int begin, end, lane_of_cta;
+  cta_work(p, hp.block_m, &begin, &end, &lane_of_cta);
+  const int wt = int(threadIdx.x) - 128;
+  const int lane = wt & 31, warp = wt >> 5;
+  uint8_t* sq = smem + SmemLayout::q;
+  uint8_t* pbox = sq + narrow::kPBox;
+  float* max_x = reinterpret_cast<float*>(sq + narrow::kMaxX);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
+  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
+  const uint32_t sq_addr = smem_u32(sq), p_addr = smem_u32(pbox);
+  const uint32_t st_base = smem_u32(smem + SmemLayout::k);
+  uint32_t phases = 0;  // bit s: the parity of stage s's barriers
+  const float scale = p.score_scale_log2;
+
+  for (int it = begin; it < end; ++it) {
+    const WorkItem item = fetch_item(p, it, lane_of_cta);
+    const ItemRange r = item_range(p.layout, item, hp.block_m);
+    if (r.valid_rows <= 0) continue;
+    named_sync(kBarLeft, 128);  // the last item's staged rows are stored
+    if (r.num_tiles > 0) load_q_narrow<T>(p, r, sq, wt);
+    fence_proxy_async();
+    named_sync(kBarLeft, 128);
+    // This thread's 4 rows rl = 8 j + 2 (lane % 4) + e (index 2 j + e) and their last keys.
+    int limit[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int rl = 8 * (x >> 1) + 2 * (lane & 3) + (x & 1);
+      limit[x] = rl < r.valid_rows
+                     ? min(r.kv_end - 1, r.g.kv_len - r.g.q_len + (r.row0 + rl) / p.layout.num_heads)
+                     : -1;
+    }
+    float m[4], l[4], o[64];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      m[x] = -INFINITY;
+      l[x] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+
+#pragma unroll 1
+    for (int t = 0; t < r.num_tiles; ++t) {
+      const int st = t & 1;
+      const int key0 = r.kv_begin + t * kBlockN;
+      const uint32_t st_addr = st_base + st * kTileBytes;
+      uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
+      // S^T = K Q^T over the 9 boxes, each group as it lands.
+      float s[8];
+      wgmma_fence();
+#pragma unroll
+      for (int i = 0; i < kGroups; ++i) {
+        const int g = group_order(0, i);
+        mbar_wait(&full[st * kGroups + g], (phases >> st) & 1);
+#pragma unroll
+        for (int kk = 0; kk < 4 * group_boxes(g); ++kk) {
+          const uint32_t off = (group_first_box(g) + (kk >> 2)) * kBoxBytes + (kk & 3) * 32;
+          wgmma_64x16<T>(k_major_desc(st_addr + off), k_major_desc(sq_addr + off), s, i > 0 || kk > 0);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(s);
+      mbar_arrive(&empty[st * kGroups + kGroupPe]);  // the rope box: read by S^T only
+      // Mask (keys past the item or a row's causal limit: -inf) and this thread's max per row.
+      float tmax[4];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) tmax[x] = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int x = 2 * (i >> 2) + (i & 1), h = (i >> 1) & 1;
+        const int key = key0 + 16 * warp + (lane >> 2) + 8 * h;
+        if (key > limit[x]) s[i] = -INFINITY;
+        tmax[x] = fmaxf(tmax[x], s[i]);
+      }
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        tmax[x] = fmaxf(tmax[x], __shfl_xor_sync(0xffffffffu, tmax[x], 4));
+        tmax[x] = fmaxf(tmax[x], __shfl_xor_sync(0xffffffffu, tmax[x], 8));
+        tmax[x] = fmaxf(tmax[x], __shfl_xor_sync(0xffffffffu, tmax[x], 16));
+        if (lane < 4) max_x[warp * 16 + 8 * (x >> 1) + 2 * lane + (x & 1)] = tmax[x];
+      }
+      named_sync(kBarLeft, 128);  // every warp's max is in; every warp is done with the stage's K
+      float c[4], neg_m[4];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int rl = 8 * (x >> 1) + 2 * (lane & 3) + (x & 1);
+        const float mx = fmaxf(fmaxf(max_x[rl], max_x[16 + rl]), fmaxf(max_x[32 + rl], max_x[48 + rl]));
+        const float m_new = fmaxf(m[x], mx * scale);
+        c[x] = rescale(m[x], m_new);
+        m[x] = m_new;
+        neg_m[x] = -max_offset(m_new);
+        l[x] *= c[x];
+      }
+      // P = exp2(scale S - m), rounded to T; its sums; P^T into the P box.
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int x = 2 * (i >> 2) + (i & 1), h = (i >> 1) & 1;
+        const T pv = from_float<T>(fast_exp2(fmaf(s[i], scale, neg_m[x])));
+        l[x] += static_cast<float>(pv);
+        const int rl = 8 * (x >> 1) + 2 * (lane & 3) + (x & 1);
+        *reinterpret_cast<T*>(pbox + swizzled_offset(rl, 16 * warp + (lane >> 2) + 8 * h)) = pv;
+      }
+      const int keys = r.kv_end - key0;
+      if (keys < kBlockN) {  // V rows past the keys may hold NaN: zero them (0 * NaN would reach O)
+        zero_tail_rows(stage + group_first_box(kGroupL) * kBoxBytes, keys, wt, kBarLeft);
+        zero_tail_rows(stage + group_first_box(kGroupR) * kBoxBytes, keys, wt, kBarLeft);
+      }
+      fence_proxy_async();
+      named_sync(kBarLeft, 128);  // P^T (and zeroed rows) visible to the tensor cores
+      if (__any_sync(0xffffffffu, c[0] != 1.0f || c[1] != 1.0f || c[2] != 1.0f || c[3] != 1.0f)) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[i] *= c[2 * ((i >> 2) & 1) + (i & 1)];
+      }
+      // O^T += V^T P^T: eight 64-dim blocks, four 16-key steps each; the L dims first, released
+      // as soon as they are read.
+      wgmma_fence();
+#pragma unroll
+      for (int b = 0; b < 8; ++b) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          gmma_ss<typename GmmaOps<T>::SS16MN>(mn_major_desc(st_addr + b * kBoxBytes + kk * 16 * 128, kBoxBytes),
+                                               k_major_desc(p_addr + kk * 32), o + 8 * b, true,
+                                               std::make_index_sequence<8>{});
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(o);
+      mbar_arrive(&empty[st * kGroups + kGroupL]);
+      mbar_arrive(&empty[st * kGroups + kGroupR]);
+      phases ^= 1u << st;
+    }
+
+    // Row sums: over the lanes of a row (lane / 4), then the four warps through shared memory.
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      l[x] += __shfl_xor_sync(0xffffffffu, l[x], 4);
+      l[x] += __shfl_xor_sync(0xffffffffu, l[x], 8);
+      l[x] += __shfl_xor_sync(0xffffffffu, l[x], 16);
+    }
+    float* sums = reinterpret_cast<float*>(sq + narrow::kSums);  // [4 warps][16]
+    float* staged = reinterpret_cast<float*>(sq + narrow::kStaged);
+    named_sync(kBarLeft, 128);  // every warp is done with Q and the P box
+    if (lane < 4) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) sums[warp * 16 + 8 * (x >> 1) + 2 * lane + (x & 1)] = l[x];
+    }
+    named_sync(kBarLeft, 128);
+    float inv[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int rl = 8 * (x >> 1) + 2 * (lane & 3) + (x & 1);
+      const float total = sums[rl] + sums[16 + rl] + sums[32 + rl] + sums[48 + rl];
+      inv[x] = total > 0.0f ? p.out_scale / total : 0.0f;
+      if (warp == 0 && lane < 4 && rl < r.valid_rows) {
+        float* lse = row_dst(p, item.slot, r, rl).lse;
+        if (lse != nullptr) *lse = row_lse(m[x], total);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int x = 2 * ((i >> 2) & 1) + (i & 1), h = (i >> 1) & 1;
+      const int d = 64 * (i >> 3) + 16 * warp + (lane >> 2) + 8 * h;
+      const int rl = 8 * ((i >> 2) & 1) + 2 * (lane & 3) + (i & 1);
+      staged[rl * kValueDim + d] = o[i] * inv[x];
+    }
+    named_sync(kBarLeft, 128);
+    // Row rl's 256 pairs: this thread's pairs wt and wt + 128... of 128 threads: wt and wt + 128.
+#pragma unroll 1
+    for (int rl = 0; rl < r.valid_rows; ++rl) {
+      void* base = row_dst(p, item.slot, r, rl).out;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = 2 * (wt + 128 * h);
+        store_out_pair(p, base, col, staged[rl * kValueDim + col], staged[rl * kValueDim + col + 1]);
+      }
+    }
+  }
+}
+
+template <typename T, bool kNarrow>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     mla_decode_hopper_kernel(const __grid_constant__ HopperParams hp) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -804,7 +1026,9 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
     for (int b = 0; b < kStages * kGroups; ++b) {
       mbar_init(&full[b], 1);
-      mbar_init(&empty[b], 4);  // one arrive per warp of the releasing warpgroup
+      // One arrival per warp of the releasing warpgroup; the narrow consumers' every thread
+      // arrives (no lane test between their wgmma waits: ptxas would serialise them).
+      mbar_init(&empty[b], kNarrow ? 128 : 4);
     }
     for (int b = 0; b < kExchanges; ++b) mbar_init(&xbar[b], 128);  // every writer thread
     mbar_init_fence();
@@ -814,18 +1038,26 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   if (threadIdx.x == 0) MLA_DECODE_STAMP(kTraceWaited);
   allow_dependent_launch();
   int begin, end, lane;
-  cta_work(p, hp.block_m, &begin, &end, &lane);
+  if constexpr (!kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);
   if (threadIdx.x == 0) MLA_DECODE_STAMP(kTraceWork);
 
   // The warpgroup, as a value ptxas can see is the same across each warp (a shuffle from lane 0):
   // the consumers' branch on it inside their item loop then is not a divergent path.
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) >> 7, 0);
   if (wg == 0) {
-    setmaxnreg_dec<40>();
-    if (threadIdx.x == 0 || threadIdx.x == 32) run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
+    // The narrow consumers need fewer registers; the producer takes 16 more (its loop then keeps
+    // the work range in registers). 128 x 56 + 256 x 224 = 64,512 of the SM's 65,536.
+    setmaxnreg_dec<kNarrow ? 56 : 40>();
+    if (threadIdx.x == 0 || threadIdx.x == 32) {
+      if constexpr (kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer
+      run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
+    }
   } else {
-    setmaxnreg_inc<232>();
-    run_consumer<T>(hp, smem, begin, end, lane, wg == 1);
+    setmaxnreg_inc<kNarrow ? 224 : 232>();
+    if constexpr (kNarrow) {
+      if (wg == 1) run_narrow_consumer<T>(hp, smem);  // WG2: nothing to do
+    } else
+      run_consumer<T>(hp, smem, begin, end, lane, wg == 1);
   }
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   __syncthreads();
@@ -838,7 +1070,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
 
 #else  // not sm_90a: the kernel exists only so that the host code links; it is never launched.
 
-template <typename T>
+template <typename T, bool kNarrow>
 __global__ void mla_decode_hopper_kernel(const __grid_constant__ HopperParams) {}
 
 #endif
@@ -888,8 +1120,16 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
             "mla_decode: the Hopper decode kernel needs ", SmemLayout::bytes,
             " bytes of shared memory per block, but device ", info.device, " allows ",
             info.max_smem_per_block_optin);
-  opt_in_dynamic_smem<mla_decode_hopper_kernel<T>>(SmemLayout::bytes);
-  launch_dependent(mla_decode_hopper_kernel<T>, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes, stream, hp);
+  // Tiles of at most 16 rows: the narrow consumers (keys as M, a quarter of the tensor work).
+  const auto launch = [&](auto narrow) {
+    constexpr auto kernel = mla_decode_hopper_kernel<T, decltype(narrow)::value>;
+    opt_in_dynamic_smem<kernel>(SmemLayout::bytes);
+    launch_dependent(kernel, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes, stream, hp);
+  };
+  if (block_m <= 16)
+    launch(std::true_type{});
+  else
+    launch(std::false_type{});
 }
 
 template void launch_hopper_decode_kernel<__nv_bfloat16>(const DecodeParams&, int, int, cudaStream_t);
