@@ -25,6 +25,10 @@
 // Released groups: stage 0's L by WG1 after P0 V0_L, R and PE by WG2 after P0 V0_R; stage 1's
 // R by WG2 after P1 V1_R, L and PE by WG1 after P1 V1_L.
 //
+// Tiles of at most 16 rows (16 heads or fewer with one query, 8 with two) take the narrow
+// consumers instead (run_narrow_consumer): the keys are M, so a 16-row tile costs a quarter of the
+// 64-row tile's tensor work; WG1 runs every tile of the item alone, WG2 idles.
+//
 // Shared memory (bytes): Q 73,728 | 2 stages x 73,728 | row max / scale / row-sum exchange 2,048 |
 // barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
 //
