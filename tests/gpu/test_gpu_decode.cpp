@@ -991,7 +991,7 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
   if (hopper_expected()) {
     EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"kv_cache is fp8e4m3", "not bf16 or fp16"}));
     // kAuto: the Hopper kernel from 17 query rows a request on; the portable one at 16 or fewer
-    // (where it is faster) in batches below 64 requests, unless kHopper asks for it.
+    // (where it is faster) in batches below 32 requests, unless kHopper asks for it.
     for (const auto& [heads, q_len, name] : {std::tuple{16, 2, "sm90-wgmma"}, std::tuple{128, 1, "sm90-wgmma"},
                                              std::tuple{16, 1, "sm80-mma"}, std::tuple{8, 2, "sm80-mma"},
                                              std::tuple{3, 6, "sm90-wgmma"}}) {
@@ -1003,7 +1003,7 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
       forced.kernel = DecodeKernel::kHopper;
       EXPECT_STREQ(mla_decode_kernel_name(forced), "sm90-wgmma") << heads << " heads, q_len " << q_len;
     }
-    for (const auto& [batch, name] : {std::pair{63, "sm80-mma"}, std::pair{64, "sm90-wgmma"}}) {
+    for (const auto& [batch, name] : {std::pair{31, "sm80-mma"}, std::pair{32, "sm90-wgmma"}}) {
       DecodeCase b = fixed(16, 64, std::vector<int>(size_t(batch), 3));
       const DecodeData bd = make_data(b);
       DeviceData bdev(bd);

@@ -94,13 +94,14 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 }
 
 // kAuto's choice. From 17 query rows a request on, the Hopper kernel. At 16 rows or fewer (16
-// heads, one query) it computes 64-row tiles for 16 and streams the cache faster (no L2 prefetch
-// there). On an H200, against the portable kernel: 0-15 % faster from a batch of 64 requests
-// on (B 64 kv 4k -6 %, B 128 kv 16k -15 %, B 256 kv 4k -12 %, B 128 kv 1k -1 %), equal at B 32,
-// 6-16 % slower below (B 16 kv 4k, B 1), where few tiles a CTA make the call latency-bound
+// heads, one query; its narrow consumers) it streams the cache faster but starts slower. On an
+// H200, against the portable kernel: faster from a batch of 32 requests on (B 32 kv 4k -5 %,
+// B 48 kv 4k -12 %, B 64 kv 4k -10 %, B 128 kv 16k -17 %, B 256 kv 1k -7 %; B 32 kv 1k +5 %),
+// 2-8 % slower below with up to 4k keys (B 16 kv 4k, B 1), where few tiles a CTA make the call
+// latency-bound (B 16 kv 16k is 9 % faster on it, but the lengths are not known on the host)
 // (docs/perf-notes.md; measured at 16 heads, the same tiles as 1-8 heads).
 constexpr int64_t kHopperMinRows = 17;
-constexpr int64_t kHopperFewRowsMinBatch = 64;
+constexpr int64_t kHopperFewRowsMinBatch = 32;
 
 bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
   if (args.kernel == DecodeKernel::kPortable) return false;
