@@ -238,20 +238,21 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
 }
 
 // Q rows [row0, row0 + valid_rows) of the item -> swizzled Q boxes; rows past valid_rows are
-// zero. Run by the 256 consumer threads (ct = 0..255): thread ct owns row ct / 4 and its 16-byte
-// chunks ct % 4 + 4 j (j = 0..17), so the row's source addresses are computed once; all 18
-// asynchronous copies are in flight at once and waited for before returning. Code size matters
-// here: this runs once per item, from a cold instruction cache.
-template <typename T>
-__device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int ct) {
+// zero. Thread t owns row t / kPerRow and its 16-byte chunks t % kPerRow + kPerRow j, so the row's
+// source addresses are computed once; all its asynchronous copies are in flight at once and
+// waited for before returning. The 64-row consumers: 256 threads, 4 a row (18 copies each); the
+// narrow ones: 128 threads, 8 a row, 16 rows. Code size matters here: this runs once per item,
+// from a cold instruction cache.
+template <typename T, int kPerRow>
+__device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int t) {
   constexpr int kChunks = kHeadDim / 8;  // 72 chunks of 8 values: 64 of q_nope, 8 of q_pe
-  const int row = ct >> 2, c0 = ct & 3;
+  const int row = int(unsigned(t) / kPerRow), c0 = int(unsigned(t) % kPerRow);  // t >= 0
   const bool valid = row < r.valid_rows;
   // Rows past valid_rows are zero-filled, not read (row 0's address stands in).
   const QRow<T> q = q_row<T>(p, r.g.q_start, r.row0 + (valid ? row : 0));
 #pragma unroll
-  for (int j = 0; j < kChunks / 4; ++j) {
-    const int c = c0 + 4 * j;
+  for (int j = 0; j < kChunks / kPerRow; ++j) {
+    const int c = c0 + kPerRow * j;
     cp_async_16(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8), q.chunk(c), valid);
   }
   cp_async_commit();
@@ -499,7 +500,7 @@ __device__ __forceinline__ void finish_rows(const DecodeParams& p, const ItemRan
 template <typename T>
 __device__ __forceinline__ void start_item(const DecodeParams& p, const ItemRange& r, uint8_t* smem, int ct) {
   named_sync(kBarItem, 256);
-  if (r.num_tiles > 0) load_q<T>(p, r, smem + SmemLayout::q, ct);
+  if (r.num_tiles > 0) load_q<T, 4>(p, r, smem + SmemLayout::q, ct);
   fence_proxy_async();
   named_sync(kBarItem, 256);
 }
@@ -807,23 +808,6 @@ constexpr int kMaxX = 2 * kBoxBytes + 2048;  // row-max exchange
 constexpr int kStaged = 32768, kSums = 65536 + 128;
 }  // namespace narrow
 
-// Q rows [row0, row0 + valid_rows) of the item (at most 16) -> the first 16 rows of the 9 Q
-// boxes, rows past valid_rows zero. The 128 threads of WG1: 8 a row, chunks wt % 8 + 8 j.
-template <typename T>
-__device__ __forceinline__ void load_q_narrow(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int wt) {
-  constexpr int kChunks = kHeadDim / 8;
-  const int row = wt >> 3, c0 = wt & 7;
-  const bool valid = row < r.valid_rows;
-  const QRow<T> q = q_row<T>(p, r.g.q_start, r.row0 + (valid ? row : 0));
-#pragma unroll
-  for (int j = 0; j < kChunks / 8; ++j) {
-    const int c = c0 + 8 * j;
-    cp_async_16(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8), q.chunk(c), valid);
-  }
-  cp_async_commit();
-  cp_async_wait<0>();
-}
-
 template <typename T>
 __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint8_t* smem) {
   const DecodeParams& p = hp.p;
@@ -848,7 +832,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     if (r.valid_rows <= 0) continue;
     named_sync(kBarLeft, 128);  // the last item's staged rows are stored
-    if (r.num_tiles > 0) load_q_narrow<T>(p, r, sq, wt);
+    if (r.num_tiles > 0) load_q<T, 8>(p, r, sq, wt);
     fence_proxy_async();
     named_sync(kBarLeft, 128);
     // This thread's 4 rows rl = 8 j + 2 (lane % 4) + e (index 2 j + e) and their last keys.
