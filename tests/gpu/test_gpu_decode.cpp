@@ -756,6 +756,14 @@ TEST(GpuDecodeHopper, HeadCountsAndQueryLengths) {
   c.kernel = DecodeKernel::kHopper;
   c.seed = 21999;
   check_case(c, /*both_modes=*/true);
+  // The same at 8 heads: at most 16 rows a request, so the narrow consumers, with items of 16, 8
+  // and 0 rows and the causal limit differing within a tile.
+  DecodeCase n = c;
+  n.num_heads = 8;
+  n.q_lens = {2, 0, 1, 2, 1, 2};
+  n.kv_lens = {70, 5, 1, 4000, 129, 64};
+  n.seed = 21998;
+  check_case(n, /*both_modes=*/true);
 }
 
 TEST(GpuDecodeHopper, OneTokenOnePageAndBatches) {
