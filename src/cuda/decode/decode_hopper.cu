@@ -936,11 +936,13 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
           gmma_ss<typename GmmaOps<T>::SS16MN>(mn_major_desc(st_addr + b * kBoxBytes + kk * 16 * 128, kBoxBytes),
                                                k_major_desc(p_addr + kk * 32), o + 8 * b, true,
                                                std::make_index_sequence<8>{});
+        if (b == 3) wgmma_commit();  // the L dims' group
       }
       wgmma_commit();
+      wgmma_wait<1>();
+      mbar_arrive(&empty[st * kGroups + kGroupL]);
       wgmma_wait<0>();
       fence_operands(o);
-      mbar_arrive(&empty[st * kGroups + kGroupL]);
       mbar_arrive(&empty[st * kGroups + kGroupR]);
       phases ^= 1u << st;
     }
