@@ -39,10 +39,12 @@ def main():
                 calls.append(group)
             group[0].append((cta, begin, count, t0, stamps))
         elif line.startswith("ETRACE") and group is not None:
-            # Every CTA: entry, first S, row sums, end (absolute ns, 0: not reached; newer builds).
+            # Every CTA: entry, first S, row sums, end (absolute ns, 0: not reached; newer builds),
+            # and its SM (newest builds; -1 where the line has none).
             while len(group) < 4:
                 group.append([])
-            group[3].append(tuple(int(x) for x in line.split()[1:6]))
+            v = [int(x) for x in line.split()[1:7]]
+            group[3].append(tuple(v[:5]) + (v[5] if len(v) > 5 else -1,))
         elif line.startswith("CTRACE") and group is not None:
             m = re.match(r"CTRACE grid (\d+) cta (\d+) rows (\d+) t0 (\d+) \| (-?\d+) (-?\d+)((?: -?\d+)*)", line)
             head = tuple(map(int, m.groups()[:6]))
@@ -74,8 +76,15 @@ def report(call):
             print(f"  {len(busy)} CTAs with work: first S {firsts[0]:.1f} / {firsts[len(firsts) // 2]:.1f} / "
                   f"{firsts[-1]:.1f}, end {ends[0]:.1f} / {ends[len(ends) // 2]:.1f} / {ends[-1]:.1f} us "
                   f"(min / median / max)")
-            for c, t0, s, sums, end in busy[-5:]:
-                print(f"    late cta {c:3d}: entry {us(t0):.1f} S {us(s):.1f} sums {us(sums):.1f} end {us(end):.1f}")
+            for c, t0, s, sums, end, sm in busy[-5:]:
+                where = f" sm {sm:3d}" if sm >= 0 else ""
+                print(f"    late cta {c:3d}{where}: entry {us(t0):.1f} S {us(s):.1f} sums {us(sums):.1f} "
+                      f"end {us(end):.1f}")
+            if busy[0][5] >= 0:
+                # The SMs of the CTAs that ended last (a tenth of them): whether the same group is
+                # late from call to call.
+                late = sorted(r[5] for r in busy[-max(1, len(busy) // 10):])
+                print(f"  SMs of the latest {len(late)} CTAs: {' '.join(str(x) for x in late)}")
     for grid, cta, rows, t0, waited, end, job in combine:
         # The first job's stamps (newer builds): LSE, first step added, all steps, warps met, stored.
         steps = " ".join(f"{n} {(t0 - base + s) / 1000:.1f}" if s >= 0 else f"{n} -"

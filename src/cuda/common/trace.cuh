@@ -24,11 +24,13 @@ __device__ __forceinline__ unsigned long long globaltimer_ns() {
 constexpr int kDecodeTraceCtas = 6;
 constexpr int kDecodeTraceWords = 32;
 constexpr int kDecodeTraceStamps = 25;  // the Hopper kernel's TracePoints
-// After the records: every CTA's entry, first S, row sums (of its last item) and end, four words
-// a CTA (up to kDecodeTraceGridCtas CTAs), which the combine prints one line a CTA.
+// After the records: every CTA's entry, first S, row sums (of its last item), end and SM
+// (%smid), kDecodeTraceCtaWords words a CTA (up to kDecodeTraceGridCtas CTAs), which the combine
+// prints one line a CTA.
 constexpr int kDecodeTraceGrid = kDecodeTraceCtas * kDecodeTraceWords;
 constexpr int kDecodeTraceGridCtas = 1024;
-constexpr int kDecodeTraceBufferWords = kDecodeTraceGrid + 4 * kDecodeTraceGridCtas;
+constexpr int kDecodeTraceCtaWords = 5;
+constexpr int kDecodeTraceBufferWords = kDecodeTraceGrid + kDecodeTraceCtaWords * kDecodeTraceGridCtas;
 
 }  // namespace mla::cuda
 #endif

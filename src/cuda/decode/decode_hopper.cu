@@ -149,18 +149,21 @@ __shared__ unsigned long long decode_trace[kTraceStamps];
 static_assert(kTraceStamps == kDecodeTraceStamps && kTraceStamps + 3 <= kDecodeTraceWords,
               "a CTA's record holds its stamps, CTA and items");
 
-// Thread 0 of every CTA: its entry, first S, row sums and end to its four words of the trace
+// Thread 0 of every CTA: its entry, first S, row sums, end and SM to its words of the trace
 // buffer; CTAs 0, 1, G/2, G/2 + 1, G - 2 and G - 1 also all their stamps, CTA and items to their
 // records. The combine prints both.
 __device__ void decode_trace_store(const DecodeParams& p, int begin, int end) {
   if (p.trace == nullptr || !p.has_schedule) return;  // unplanned calls have no combine
   const int g = int(gridDim.x), c = int(blockIdx.x);
   if (c < kDecodeTraceGridCtas) {
-    unsigned long long* w = p.trace + kDecodeTraceGrid + 4 * c;
+    unsigned long long* w = p.trace + kDecodeTraceGrid + kDecodeTraceCtaWords * c;
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
     w[0] = decode_trace[kTraceEntry];
     w[1] = decode_trace[kTraceScores];
     w[2] = decode_trace[kTraceSums];
     w[3] = decode_trace[kTraceEnd];
+    w[4] = smid;
   }
   const int slot = c <= 1 ? c : c == g / 2 ? 2 : c == g / 2 + 1 ? 3 : c == g - 2 ? 4 : c == g - 1 ? 5 : -1;
   if (slot < 0) return;
