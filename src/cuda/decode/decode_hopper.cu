@@ -39,6 +39,17 @@
 // dtype against the row sum). Keys of the last tile past the item's range are masked out of S
 // and their V rows zeroed in shared memory before P V, so NaN in unused cache slots never
 // reaches the output.
+//
+// Version history (H200, eager, L2 flushed, 128 h B 128 kv 4k unless noted; docs/perf-notes.md):
+//   v1  TMA ring + wgmma, WG1 scores and half of P V, WG2 the other half: 397 µs (0.46 of GEMM).
+//   v2  the warpgroups alternate key tiles ("seesaw"), per-group stage barriers: 355 µs (0.52).
+//   v3  each stage's next tile prefetched to L2 where other row tiles read it (+3-5 %), plans
+//       of whole units for equal batches: 332 µs; then pair orders, exchanges and code size:
+//       264 µs (0.68).
+//   v4  one item loop and one epilogue for both consumer warpgroups (89 KB of code): 252 µs.
+//   v5  narrow consumers for tiles of at most 16 rows: 16 h B 64 kv 4k 97.4 -> 94.0 µs.
+//   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
+//   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes.
 #include "cuda/decode/decode_hopper.hpp"
 
 #include <cuda.h>
@@ -997,6 +1008,9 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
   }
 }
 
+// kNarrow: the row-tile class (tiles of at most 16 rows, run_narrow_consumer; else 32 or 64 rows,
+// run_consumer), a template parameter like the portable kernel's kRowTiles: the two classes differ
+// in their register split and their consumers' code.
 template <typename T, bool kNarrow>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     mla_decode_hopper_kernel(const __grid_constant__ HopperParams hp) {
