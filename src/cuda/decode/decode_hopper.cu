@@ -321,7 +321,7 @@ __device__ __forceinline__ RowState row_state(const DecodeParams& p, const ItemR
 #pragma unroll
   for (int j = 0; j < 2; ++j)
     rs.key_limit[j] = rs.row_local[j] < r.valid_rows
-                          ? r.g.kv_len - r.g.q_len + (r.row0 + rs.row_local[j]) / p.layout.num_heads
+                          ? row_last_key(r.g, r.row0 + rs.row_local[j], p.layout.num_heads)
                           : -1;
   return rs;
 }
@@ -855,7 +855,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     for (int x = 0; x < 4; ++x) {
       const int rl = 8 * (x >> 1) + 2 * (lane & 3) + (x & 1);
       limit[x] = rl < r.valid_rows
-                     ? min(r.kv_end - 1, r.g.kv_len - r.g.q_len + (r.row0 + rl) / p.layout.num_heads)
+                     ? min(r.kv_end - 1, row_last_key(r.g, r.row0 + rl, p.layout.num_heads))
                      : -1;
     }
     float m[4], l[4], o[64];

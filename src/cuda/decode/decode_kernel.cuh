@@ -324,7 +324,7 @@ struct DecodeCta {
     for (int j = 0; j < 2; ++j) {
       row_local[j] = wm * 16 + (lane >> 2) + 8 * j;
       key_limit[j] = row_local[j] < valid_rows
-                         ? g.kv_len - g.q_len + (row0 + row_local[j]) / num_heads
+                         ? row_last_key(g, row0 + row_local[j], num_heads)
                          : -1;
     }
     const bool rows_live = wm * 16 < valid_rows;

@@ -188,12 +188,17 @@ __host__ __device__ inline int plan_lanes(int max_q_len, int num_heads, int bloc
   return tiles_max >= 2 && tiles_max <= num_parts ? tiles_max : 1;
 }
 
-// Keys visible to any row of a row tile whose last row is row_end - 1 (row_end >= 1): the causal
-// limit of its last query, kv_len - q_len + i_last + 1, clamped to [0, kv_len].
+// The causal limit of query row `row` (r = i * H + h) of a request: the last key it may see,
+// kv_len - q_len + i (negative: none).
+__host__ __device__ inline int row_last_key(const RequestGeometry& g, int row, int num_heads) {
+  return g.kv_len - g.q_len + row / num_heads;
+}
+
+// Keys visible to any row of a row tile whose last row is row_end - 1 (row_end >= 1): its last
+// row's causal limit + 1, clamped to [0, kv_len].
 __host__ __device__ inline int tile_visible_keys(const RequestGeometry& g, int row_end,
                                                  int num_heads) {
-  const int i_last = (row_end - 1) / num_heads;
-  int visible = g.kv_len - g.q_len + i_last + 1;
+  int visible = row_last_key(g, row_end - 1, num_heads) + 1;
   if (visible < 0) visible = 0;
   if (visible > g.kv_len) visible = g.kv_len;
   return visible;
