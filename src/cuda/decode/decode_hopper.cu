@@ -820,6 +820,10 @@ namespace narrow {
 constexpr int kPBox = 2048;                  // offset of P^T inside box 0
 constexpr int kMaxX = 2 * kBoxBytes + 2048;  // row-max exchange
 constexpr int kStaged = 32768, kSums = 65536 + 128;
+// Of the 8 accumulators a thread holds of an m64n16 block (index i = 4 j + 2 h + e), the slot
+// x = 2 j + e among its four query rows, and the tile row (the block's column) of slot x.
+__device__ __forceinline__ int slot(int i) { return 2 * ((i >> 2) & 1) + (i & 1); }
+__device__ __forceinline__ int row(int x, int lane) { return 8 * (x >> 1) + 2 * (lane & 3) + (x & 1); }
 }  // namespace narrow
 
 template <typename T>
@@ -853,7 +857,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     int limit[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const int rl = 8 * (x >> 1) + 2 * (lane & 3) + (x & 1);
+      const int rl = narrow::row(x, lane);
       limit[x] = rl < r.valid_rows
                      ? min(r.kv_end - 1, row_last_key(r.g, r.row0 + rl, p.layout.num_heads))
                      : -1;
@@ -896,7 +900,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       for (int x = 0; x < 4; ++x) tmax[x] = -INFINITY;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int x = 2 * (i >> 2) + (i & 1), h = (i >> 1) & 1;
+        const int x = narrow::slot(i), h = (i >> 1) & 1;
         const int key = key0 + 16 * warp + (lane >> 2) + 8 * h;
         if (key > limit[x]) s[i] = -INFINITY;
         tmax[x] = fmaxf(tmax[x], s[i]);
@@ -906,13 +910,14 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
         tmax[x] = fmaxf(tmax[x], __shfl_xor_sync(0xffffffffu, tmax[x], 4));
         tmax[x] = fmaxf(tmax[x], __shfl_xor_sync(0xffffffffu, tmax[x], 8));
         tmax[x] = fmaxf(tmax[x], __shfl_xor_sync(0xffffffffu, tmax[x], 16));
+        // (narrow::row(x, lane) without its lane mask, lane < 4 here)
         if (lane < 4) max_x[warp * 16 + 8 * (x >> 1) + 2 * lane + (x & 1)] = tmax[x];
       }
       named_sync(kBarLeft, 128);  // every warp's max is in; every warp is done with the stage's K
       float c[4], neg_m[4];
 #pragma unroll
       for (int x = 0; x < 4; ++x) {
-        const int rl = 8 * (x >> 1) + 2 * (lane & 3) + (x & 1);
+        const int rl = narrow::row(x, lane);
         const float mx = fmaxf(fmaxf(max_x[rl], max_x[16 + rl]), fmaxf(max_x[32 + rl], max_x[48 + rl]));
         const float m_new = fmaxf(m[x], mx * scale);
         c[x] = rescale(m[x], m_new);
@@ -923,10 +928,10 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       // P = exp2(scale S - m), rounded to T; its sums; P^T into the P box.
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int x = 2 * (i >> 2) + (i & 1), h = (i >> 1) & 1;
+        const int x = narrow::slot(i), h = (i >> 1) & 1;
         const T pv = from_float<T>(fast_exp2(fmaf(s[i], scale, neg_m[x])));
         l[x] += static_cast<float>(pv);
-        const int rl = 8 * (x >> 1) + 2 * (lane & 3) + (x & 1);
+        const int rl = narrow::row(x, lane);
         *reinterpret_cast<T*>(pbox + swizzled_offset(rl, 16 * warp + (lane >> 2) + 8 * h)) = pv;
       }
       const int keys = r.kv_end - key0;
@@ -938,7 +943,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       named_sync(kBarLeft, 128);  // P^T (and zeroed rows) visible to the tensor cores
       if (__any_sync(0xffffffffu, c[0] != 1.0f || c[1] != 1.0f || c[2] != 1.0f || c[3] != 1.0f)) {
 #pragma unroll
-        for (int i = 0; i < 64; ++i) o[i] *= c[2 * ((i >> 2) & 1) + (i & 1)];
+        for (int i = 0; i < 64; ++i) o[i] *= c[narrow::slot(i)];
       }
       // O^T += V^T P^T: eight 64-dim blocks, four 16-key steps each; the L dims first, released
       // as soon as they are read.
@@ -973,13 +978,13 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     named_sync(kBarLeft, 128);  // every warp is done with Q and the P box
     if (lane < 4) {
 #pragma unroll
-      for (int x = 0; x < 4; ++x) sums[warp * 16 + 8 * (x >> 1) + 2 * lane + (x & 1)] = l[x];
+      for (int x = 0; x < 4; ++x) sums[warp * 16 + 8 * (x >> 1) + 2 * lane + (x & 1)] = l[x];  // narrow::row
     }
     named_sync(kBarLeft, 128);
     float inv[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const int rl = 8 * (x >> 1) + 2 * (lane & 3) + (x & 1);
+      const int rl = narrow::row(x, lane);
       const float total = sums[rl] + sums[16 + rl] + sums[32 + rl] + sums[48 + rl];
       inv[x] = total > 0.0f ? p.out_scale / total : 0.0f;
       if (warp == 0 && lane < 4 && rl < r.valid_rows) {
@@ -989,9 +994,9 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     }
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
-      const int x = 2 * ((i >> 2) & 1) + (i & 1), h = (i >> 1) & 1;
+      const int x = narrow::slot(i), h = (i >> 1) & 1;
       const int d = 64 * (i >> 3) + 16 * warp + (lane >> 2) + 8 * h;
-      const int rl = 8 * ((i >> 2) & 1) + 2 * (lane & 3) + (i & 1);
+      const int rl = narrow::row(x, lane);
       staged[rl * kValueDim + d] = o[i] * inv[x];
     }
     named_sync(kBarLeft, 128);
