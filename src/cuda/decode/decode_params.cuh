@@ -40,7 +40,7 @@ static_assert(kOverheadBlocks >= 1 && kOverheadBlocks <= 2,
 
 constexpr int kScheduleMagic = 0x4d4c4144;  // "MLAD": the header was written by plan_decode
 
-struct ScheduleHeader {
+struct __align__(16) ScheduleHeader {  // three 16-byte words (load_header)
   int magic;            // kScheduleMagic
   int num_items;        // items written
   int num_split_units;  // units to combine
@@ -51,7 +51,9 @@ struct ScheduleHeader {
   int lanes;            // row tiles run side by side (see below); 1 = one unit per row tile
   int num_slots;        // partial-result slots of lane 0 (lane r uses slot + r * num_slots)
   int max_pieces;       // most pieces of one split unit (the combine kernel's shape)
+  int pad[2];
 };
+static_assert(sizeof(ScheduleHeader) == 48, "load_header reads three 16-byte words");
 // Lanes. When every request has several row tiles (more than 64 rows: 128 heads, or 16 heads with
 // q_len >= 5), the plan cuts the key ranges of whole requests among num_parts / lanes virtual
 // parts, and CTA v * lanes + r runs virtual part v's items for row tile r. The row tiles of one
@@ -299,6 +301,17 @@ struct PlanParams {
   SplitUnit* split_units;
 };
 
+// The plan's header in three 16-byte loads issued together (read field by field, each check of
+// cta_work waited for its field's load behind the previous check's branch).
+__device__ __forceinline__ ScheduleHeader load_header(const ScheduleHeader* header) {
+  ScheduleHeader h;
+  const int4* src = reinterpret_cast<const int4*>(header);
+  int4* dst = reinterpret_cast<int4*>(&h);
+#pragma unroll
+  for (int i = 0; i < 3; ++i) dst[i] = src[i];
+  return h;
+}
+
 // This CTA's work: items [*begin, *end) and the lane applied to each (fetch_item). With a
 // schedule, the CTA's part of the plan; a plan for another batch shape (or another row-tile class
 // or grid) would send the CTA past its work list, so it stops with a trap instead. Without one,
@@ -314,9 +327,19 @@ __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int
   // again if the header says otherwise.
   const int guess = p.plan_lanes;
   const int v_guess = int(blockIdx.x) / guess;
+  // Items are numbered by place: where every part has one item (a batch of equal requests cut
+  // into equal pieces, batch 1 among them), part v's is item v. Asked of L2 with the bounds, so
+  // that fetch_item's load of it is an L2 hit rather than a second miss after them. Item v lies
+  // inside the workspace (max_items >= num_parts) whatever the plan.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p.schedule.items + v_guess),
+               "r"(uint32_t(sizeof(WorkItem))) : "memory");
+#else
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.schedule.items + v_guess));
+#endif
   const int begin_guess = p.schedule.part_begin[v_guess];
   const int end_guess = p.schedule.part_begin[v_guess + 1];
-  const ScheduleHeader& h = *p.schedule.header;
+  const ScheduleHeader h = load_header(p.schedule.header);
   if (h.magic != kScheduleMagic || h.block_m != block_m || h.batch_size != p.layout.batch_size ||
       h.num_heads != p.layout.num_heads || h.num_parts != int(gridDim.x) || h.lanes < 1) {
     __trap();
