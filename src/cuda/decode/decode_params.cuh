@@ -13,6 +13,8 @@
 #include <climits>
 #include <cstdint>
 
+#include "cuda/common/warp_mma.cuh"  // prefetch_l2
+
 namespace mla::cuda::decode {
 
 constexpr int kHeadDim = 576;   // latent cache entry: kv_lora_rank 512 + rope 64
@@ -331,12 +333,7 @@ __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int
   // into equal pieces, batch 1 among them), part v's is item v. Asked of L2 with the bounds, so
   // that fetch_item's load of it is an L2 hit rather than a second miss after them. Item v lies
   // inside the workspace (max_items >= num_parts) whatever the plan.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p.schedule.items + v_guess),
-               "r"(uint32_t(sizeof(WorkItem))) : "memory");
-#else
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.schedule.items + v_guess));
-#endif
+  prefetch_l2(p.schedule.items + v_guess, uint32_t(sizeof(WorkItem)));
   const int begin_guess = p.schedule.part_begin[v_guess];
   const int end_guess = p.schedule.part_begin[v_guess + 1];
   const ScheduleHeader h = load_header(p.schedule.header);
