@@ -86,9 +86,11 @@ def report(call):
                 late = sorted(r[5] for r in busy[-max(1, len(busy) // 10):])
                 print(f"  SMs of the latest {len(late)} CTAs: {' '.join(str(x) for x in late)}")
     for grid, cta, rows, t0, waited, end, job in combine:
-        # The first job's stamps (newer builds): LSE, first step added, all steps, warps met, stored.
+        # The first job's stamps (newer builds): LSE, first step added, all steps, warps met, stored;
+        # newest builds also the return of two probe loads right after the wait (the plan's header,
+        # then the row's first LSE; they delay the job's stamps by their round trips).
         steps = " ".join(f"{n} {(t0 - base + s) / 1000:.1f}" if s >= 0 else f"{n} -"
-                         for n, s in zip(["lse", "step1", "steps", "met", "stored"], job))
+                         for n, s in zip(["lse", "step1", "steps", "met", "stored", "probe-header", "probe-lse"], job))
         print(f"  combine cta {cta}/{grid} rows {rows}: entry {(t0 - base) / 1000:.1f} "
               f"waited {(t0 - base + waited) / 1000:.1f} {steps + ' ' if steps else ''}"
               f"end {(t0 - base + end) / 1000:.1f} us")

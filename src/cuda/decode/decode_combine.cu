@@ -209,8 +209,13 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
   // empties them), its own entry time (ns), its wait's return and its end.
   // Thread 0's first job: its row's LSE, the first step added, every step added, the row's warps
   // met, its stores issued.
+  // Right after the wait, thread 0 times two loads through L2 before its job, one after the
+  // other: a word of the plan's header (not written by the decode kernel; in L2, read by every
+  // decode CTA) and its row's first LSE (just written by it). Both return times are printed
+  // (probes), so a slow first round trip can be told apart: every load after the wait, or only
+  // the decode kernel's lines. They delay thread 0's job by their round trips.
   const unsigned long long trace_entry = globaltimer_ns();
-  unsigned long long trace_waited = 0, trace_job[5] = {0, 0, 0, 0, 0};
+  unsigned long long trace_waited = 0, trace_job[5] = {0, 0, 0, 0, 0}, trace_probe[2] = {0, 0};
 #define MLA_COMBINE_STAMP(i) \
   (threadIdx.x == 0 && job == first_job ? (void)(trace_job[i] = globaltimer_ns()) : (void)0)
 #else
@@ -241,6 +246,15 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
   wait_for_prior_grids();  // the decode kernel's partial results are written
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   trace_waited = globaltimer_ns();
+  if (threadIdx.x == 0 && jr.valid) {
+    // Each stamp is taken on a branch on the loaded value, so after the load has returned.
+    unsigned v;
+    asm volatile("ld.global.cg.u32 %0, [%1];\n" : "=r"(v) : "l"(&p.schedule.header->magic));
+    trace_probe[0] = v == 0x5a5a5a5au ? 1ull : globaltimer_ns();
+    const float* lse0 = p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + jr.row_local;
+    asm volatile("ld.global.cg.u32 %0, [%1];\n" : "=r"(v) : "l"(lse0));
+    trace_probe[1] = v == 0x5a5a5a5au ? 1ull : globaltimer_ns();
+  }
 #endif
   for (int job = first_job; job * rows_per_job < rows; job += int(gridDim.x)) {
     // The next job's row, read while this one's pieces load.
@@ -347,9 +361,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       for (int i = 0; i < kDecodeTraceCtaWords; ++i) w[i] = 0;
     }
     auto rel = [&](unsigned long long t) { return t == 0 ? -1LL : (long long)(t - trace_entry); };
-    printf("CTRACE grid %d cta 0 rows %d t0 %llu | %lld %lld %lld %lld %lld %lld %lld\n", int(gridDim.x), rows,
-           trace_entry, rel(trace_waited), rel(trace_end), rel(trace_job[0]), rel(trace_job[1]),
-           rel(trace_job[2]), rel(trace_job[3]), rel(trace_job[4]));
+    printf("CTRACE grid %d cta 0 rows %d t0 %llu | %lld %lld %lld %lld %lld %lld %lld %lld %lld\n", int(gridDim.x),
+           rows, trace_entry, rel(trace_waited), rel(trace_end), rel(trace_job[0]), rel(trace_job[1]),
+           rel(trace_job[2]), rel(trace_job[3]), rel(trace_job[4]), rel(trace_probe[0]), rel(trace_probe[1]));
   }
 #endif
 #undef MLA_COMBINE_STAMP
