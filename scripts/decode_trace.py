@@ -15,6 +15,8 @@ import argparse
 import re
 import sys
 
+# p0 .. p11: the ends of WG1's first pairs of tiles (the narrow consumers of 16-row tiles: of its
+# first tiles, one at a time; their stR stays empty, WG2 has no work there).
 NAMES = ["wait", "work", "item", "g0", "g1", "issued", "Q", "S"] + [f"p{i}" for i in range(12)] + ["sums", "stL", "stR", "end"]
 
 

@@ -144,10 +144,12 @@ enum TracePoint : int {
   kTraceIssued = 6,      // first: stage 0's producer has issued the item's first tile
   kTraceQ = 7,           // first: WG1 has Q in shared memory
   kTraceScores = 8,      // first: WG1's first S is done
-  kTracePair = 9,        // first: WG1 has ended pair 0, 1, ... (up to kTracePairs)
+  kTracePair = 9,        // first: WG1 has ended pair 0, 1, ... (up to kTracePairs; the narrow
+                         // consumers: tile 0, 1, ...)
   kTracePairs = 12,
-  kTraceSums = kTracePair + kTracePairs,  // last: WG1 has both warpgroups' row sums
-  kTraceStoredL,         // last: WG1 has stored its half of O
+  kTraceSums = kTracePair + kTracePairs,  // last: WG1 has both warpgroups' row sums (narrow: its
+                                          // rows' sums, and the rows staged for the stores)
+  kTraceStoredL,         // last: WG1 has stored its half of O (narrow: all of it)
   kTraceStoredR,         // last: WG2 has stored its half of O
   kTraceEnd,             // every warp of the CTA done
   kTraceStamps
@@ -853,6 +855,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     if (r.num_tiles > 0) load_q<T, 8>(p, r, sq, wt);
     fence_proxy_async();
     named_sync(kBarLeft, 128);
+    if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceQ);
     // This thread's 4 rows rl = 8 j + 2 (lane % 4) + e (index 2 j + e) and their last keys.
     int limit[4];
 #pragma unroll
@@ -893,6 +896,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       wgmma_commit();
       wgmma_wait<0>();
       fence_operands(s);
+      if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceScores);
       mbar_arrive(&empty[st * kGroups + kGroupPe]);  // the rope box: read by S^T only
       // Mask (keys past the item or a row's causal limit: -inf) and this thread's max per row.
       float tmax[4];
@@ -964,6 +968,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       fence_operands(o);
       mbar_arrive(&empty[st * kGroups + kGroupR]);
       phases ^= 1u << st;
+      if (wt == 0) MLA_DECODE_STAMP_PAIR(t);  // the trace's "pairs" here: tiles
     }
 
     // Row sums: over the lanes of a row (lane / 4), then the four warps through shared memory.
@@ -1000,6 +1005,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       staged[rl * kValueDim + d] = o[i] * inv[x];
     }
     named_sync(kBarLeft, 128);
+    if (wt == 0) MLA_DECODE_STAMP(kTraceSums);
     // Row rl's 256 pairs: this thread's pairs wt and wt + 128... of 128 threads: wt and wt + 128.
 #pragma unroll 1
     for (int rl = 0; rl < r.valid_rows; ++rl) {
@@ -1010,6 +1016,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
         store_out_pair(p, base, col, staged[rl * kValueDim + col], staged[rl * kValueDim + col + 1]);
       }
     }
+    if (wt == 0) MLA_DECODE_STAMP(kTraceStoredL);
   }
 }
 
