@@ -247,13 +247,15 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   trace_waited = globaltimer_ns();
   if (threadIdx.x == 0 && jr.valid) {
-    // Each stamp is taken on a branch on the loaded value, so after the load has returned.
-    unsigned v;
-    asm volatile("ld.global.cg.u32 %0, [%1];\n" : "=r"(v) : "l"(&p.schedule.header->magic));
-    trace_probe[0] = v == 0x5a5a5a5au ? 1ull : globaltimer_ns();
-    const float* lse0 = p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + jr.row_local;
-    asm volatile("ld.global.cg.u32 %0, [%1];\n" : "=r"(v) : "l"(lse0));
-    trace_probe[1] = v == 0x5a5a5a5au ? 1ull : globaltimer_ns();
+    // A word through L2, and the time once it is in: the stamp is taken on a branch on the
+    // loaded value, so after the load has returned.
+    auto load_returned_at = [](const void* ptr) {
+      unsigned v;
+      asm volatile("ld.global.cg.u32 %0, [%1];\n" : "=r"(v) : "l"(ptr));
+      return v == 0x5a5a5a5au ? 1ull : globaltimer_ns();
+    };
+    trace_probe[0] = load_returned_at(&p.schedule.header->magic);
+    trace_probe[1] = load_returned_at(p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + jr.row_local);
   }
 #endif
   for (int job = first_job; job * rows_per_job < rows; job += int(gridDim.x)) {
