@@ -118,8 +118,9 @@ __device__ __forceinline__ void wgmma_64x16(uint64_t da, uint64_t db, float (&d)
 }
 // D[64x16] (+)= A[64x16] B[16x16]^T with A MN-major (the 64 M values of each K row contiguous:
 // O^T = V^T P^T, A a value box as TMA writes it, rows = keys) and B K-major (P, rows = queries).
+// d: the block's 8 accumulators, d[0..7] (one of several blocks in a larger array).
 template <typename T>
-__device__ __forceinline__ void wgmma_64x16_mn(uint64_t da, uint64_t db, float (&d)[8], bool accumulate) {
+__device__ __forceinline__ void wgmma_64x16_mn(uint64_t da, uint64_t db, float* d, bool accumulate) {
   gmma_ss<typename GmmaOps<T>::SS16MN>(da, db, d, accumulate, std::make_index_sequence<8>{});
 }
 // In both, thread t of the warpgroup holds D[m][n] in d[4 j + 2 h + e] for m = 16 (t / 32) +

@@ -956,9 +956,8 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       for (int b = 0; b < 8; ++b) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
-          gmma_ss<typename GmmaOps<T>::SS16MN>(mn_major_desc(st_addr + b * kBoxBytes + kk * 16 * 128, kBoxBytes),
-                                               k_major_desc(p_addr + kk * 32), o + 8 * b, true,
-                                               std::make_index_sequence<8>{});
+          wgmma_64x16_mn<T>(mn_major_desc(st_addr + b * kBoxBytes + kk * 16 * 128, kBoxBytes),
+                            k_major_desc(p_addr + kk * 32), o + 8 * b, true);
         if (b == 3) wgmma_commit();  // the L dims' group
       }
       wgmma_commit();
