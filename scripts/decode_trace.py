@@ -42,11 +42,14 @@ def main():
             group[0].append((cta, begin, count, t0, stamps))
         elif line.startswith("ETRACE") and group is not None:
             # Every CTA: entry, first S, row sums, end (absolute ns, 0: not reached; newer builds),
-            # and its SM (newest builds; -1 where the line has none).
+            # its SM, then its start's links: work range read, first item, first group issued,
+            # first tile issued (newer builds still; -1 / 0 where the line has none).
             while len(group) < 4:
                 group.append([])
-            v = [int(x) for x in line.split()[1:7]]
-            group[3].append(tuple(v[:5]) + (v[5] if len(v) > 5 else -1,))
+            v = [int(x) for x in line.split()[1:11]]
+            v += [-1] if len(v) < 6 else []
+            v += [0] * (10 - len(v))
+            group[3].append(tuple(v))
         elif line.startswith("CTRACE") and group is not None:
             m = re.match(r"CTRACE grid (\d+) cta (\d+) rows (\d+) t0 (\d+) \| (-?\d+) (-?\d+)((?: -?\d+)*)", line)
             head = tuple(map(int, m.groups()[:6]))
@@ -78,10 +81,24 @@ def report(call):
             print(f"  {len(busy)} CTAs with work: first S {firsts[0]:.1f} / {firsts[len(firsts) // 2]:.1f} / "
                   f"{firsts[-1]:.1f}, end {ends[0]:.1f} / {ends[len(ends) // 2]:.1f} / {ends[-1]:.1f} us "
                   f"(min / median / max)")
-            for c, t0, s, sums, end, sm in busy[-5:]:
+            for c, t0, s, sums, end, sm, work, item, g0, issued in busy[-5:]:
                 where = f" sm {sm:3d}" if sm >= 0 else ""
-                print(f"    late cta {c:3d}{where}: entry {us(t0):.1f} S {us(s):.1f} sums {us(sums):.1f} "
-                      f"end {us(end):.1f}")
+                start = (f" work {us(work):.1f} item {us(item):.1f} g0 {us(g0):.1f} issued {us(issued):.1f}"
+                         if work else "")
+                print(f"    late cta {c:3d}{where}: entry {us(t0):.1f}{start} S {us(s):.1f} "
+                      f"sums {us(sums):.1f} end {us(end):.1f}")
+            if busy[0][6]:
+                # Which link of the start the CTAs that ended last (a tenth) lose their time in:
+                # the median of each link's length over them and over all CTAs with work.
+                def links(rows):
+                    cols = list(zip(*[(r[6] - r[1], r[7] - r[6], r[8] - r[7], r[9] - r[8], r[2] - r[9],
+                                       r[4] - r[2]) for r in rows if r[7] and r[8] and r[9]]))
+                    return [sorted(c)[len(c) // 2] / 1000 for c in cols] if cols else []
+                names = ["entry-work", "work-item", "item-g0", "g0-issued", "issued-S", "S-end"]
+                for label, rows in (("all", busy), ("latest tenth", busy[-max(1, len(busy) // 10):])):
+                    m = links(rows)
+                    if m:
+                        print(f"  links, median of {label}: " + " ".join(f"{n} {x:.1f}" for n, x in zip(names, m)))
             if busy[0][5] >= 0:
                 # The SMs of the CTAs that ended last (a tenth of them): whether the same group is
                 # late from call to call.

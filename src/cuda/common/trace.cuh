@@ -24,12 +24,13 @@ __device__ __forceinline__ unsigned long long globaltimer_ns() {
 constexpr int kDecodeTraceCtas = 6;
 constexpr int kDecodeTraceWords = 32;
 constexpr int kDecodeTraceStamps = 25;  // the Hopper kernel's TracePoints
-// After the records: every CTA's entry, first S, row sums (of its last item), end and SM
-// (%smid), kDecodeTraceCtaWords words a CTA (up to kDecodeTraceGridCtas CTAs), which the combine
-// prints one line a CTA.
+// After the records: every CTA's entry, first S, row sums (of its last item), end, SM (%smid),
+// and the links of its start: item range read, first item, first group issued, first tile issued;
+// kDecodeTraceCtaWords words a CTA (up to kDecodeTraceGridCtas CTAs), which the combine prints one
+// line a CTA.
 constexpr int kDecodeTraceGrid = kDecodeTraceCtas * kDecodeTraceWords;
 constexpr int kDecodeTraceGridCtas = 1024;
-constexpr int kDecodeTraceCtaWords = 5;
+constexpr int kDecodeTraceCtaWords = 9;
 constexpr int kDecodeTraceBufferWords = kDecodeTraceGrid + kDecodeTraceCtaWords * kDecodeTraceGridCtas;
 
 }  // namespace mla::cuda

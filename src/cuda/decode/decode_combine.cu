@@ -359,7 +359,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     for (int c = 0; c < kDecodeTraceGridCtas && p.trace != nullptr; ++c) {
       unsigned long long* w = p.trace + kDecodeTraceGrid + kDecodeTraceCtaWords * c;
       if (w[0] == 0) continue;
-      printf("ETRACE %d %llu %llu %llu %llu %llu\n", c, w[0], w[1], w[2], w[3], w[4]);
+      printf("ETRACE %d %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", c, w[0], w[1], w[2], w[3], w[4], w[5],
+             w[6], w[7], w[8]);
       for (int i = 0; i < kDecodeTraceCtaWords; ++i) w[i] = 0;
     }
     auto rel = [&](unsigned long long t) { return t == 0 ? -1LL : (long long)(t - trace_entry); };

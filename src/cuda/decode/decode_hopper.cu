@@ -162,8 +162,8 @@ __shared__ unsigned long long decode_trace[kTraceStamps];
 static_assert(kTraceStamps == kDecodeTraceStamps && kTraceStamps + 3 <= kDecodeTraceWords,
               "a CTA's record holds its stamps, CTA and items");
 
-// Thread 0 of every CTA: its entry, first S, row sums, end and SM to its words of the trace
-// buffer; CTAs 0, 1, G/2, G/2 + 1, G - 2 and G - 1 also all their stamps, CTA and items to their
+// Thread 0 of every CTA: its entry, first S, row sums, end, SM and start links (work range, item,
+// first group, first tile issued) to its words of the trace buffer; CTAs 0, 1, G/2, G/2 + 1, G - 2 and G - 1 also all their stamps, CTA and items to their
 // records. The combine prints both.
 __device__ void decode_trace_store(const DecodeParams& p, int begin, int end) {
   if (p.trace == nullptr || !p.has_schedule) return;  // unplanned calls have no combine
@@ -177,6 +177,10 @@ __device__ void decode_trace_store(const DecodeParams& p, int begin, int end) {
     w[2] = decode_trace[kTraceSums];
     w[3] = decode_trace[kTraceEnd];
     w[4] = smid;
+    w[5] = decode_trace[kTraceWork];
+    w[6] = decode_trace[kTraceItem];
+    w[7] = decode_trace[kTraceGroup];
+    w[8] = decode_trace[kTraceIssued];
   }
   const int slot = c <= 1 ? c : c == g / 2 ? 2 : c == g / 2 + 1 ? 3 : c == g - 2 ? 4 : c == g - 1 ? 5 : -1;
   if (slot < 0) return;
