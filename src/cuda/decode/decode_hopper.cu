@@ -163,8 +163,8 @@ static_assert(kTraceStamps == kDecodeTraceStamps && kTraceStamps + 3 <= kDecodeT
               "a CTA's record holds its stamps, CTA and items");
 
 // Thread 0 of every CTA: its entry, first S, row sums, end, SM and start links (work range, item,
-// first group, first tile issued) to its words of the trace buffer; CTAs 0, 1, G/2, G/2 + 1, G - 2 and G - 1 also all their stamps, CTA and items to their
-// records. The combine prints both.
+// first group, first tile issued) to its words of the trace buffer; CTAs 0, 1, G/2, G/2 + 1,
+// G - 2 and G - 1 also all their stamps, CTA and items to their records. The combine prints both.
 __device__ void decode_trace_store(const DecodeParams& p, int begin, int end) {
   if (p.trace == nullptr || !p.has_schedule) return;  // unplanned calls have no combine
   const int g = int(gridDim.x), c = int(blockIdx.x);
