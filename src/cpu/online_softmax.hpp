@@ -268,7 +268,10 @@ class OnlineSoftmax {
       for (int j = 0; j < max_valid; ++j) {
         const float* v = value + int64_t(j) * kValueStride + c0;
         for (int i = 0; i < kRows; ++i) {
-          const float p = probs[i][j];  // 0 past valid[i]
+          // Keys past valid[i] are skipped, not weighted by 0: a value of inf or NaN there (a key
+          // this row must not see) would make 0 * v NaN.
+          if (j >= valid[i]) continue;
+          const float p = probs[i][j];
           for (int c = 0; c < kChunk; ++c) a[i][c] += p * v[c];
         }
       }

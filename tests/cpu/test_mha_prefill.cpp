@@ -269,6 +269,33 @@ TEST(MhaPrefillCpu, StridedAndPackedViews) {
   }
 }
 
+TEST(MhaPrefillCpu, KeysARowMustNotSeeNeverReachIt) {
+  // Causal, 5 queries over 5 keys: key 3 (its k and v hold inf and NaN) is seen by queries 3 and
+  // 4 only, so queries 0-2, paired with rows that see it or not, must come out exactly as with
+  // finite values there.
+  PrefillSetup s;
+  s.num_heads = 3;
+  s.q_lens = {5};
+  s.kv_lens = {5};
+  s.seed = 51;
+  auto clean = make_problem(s);
+  auto bad = make_problem(s);
+  for (int64_t h = 0; h < s.num_heads; ++h) {
+    const TensorView &k = bad->args.k, &v = bad->args.v;
+    for (int64_t d = 0; d < kQk; d += 5)
+      store_from_float(k.data, k.dtype, 3 * k.stride[0] + h * k.stride[1] + d, d % 2 ? float(kInf) : kNaN);
+    for (int64_t d = 0; d < kV; d += 3)
+      store_from_float(v.data, v.dtype, 3 * v.stride[0] + h * v.stride[1] + d, d % 2 ? kNaN : float(kInf));
+  }
+  run_and_check(*clean, s, "finite keys");
+  ASSERT_NO_THROW(mha_prefill(bad->args));
+  const std::vector<float> clean_out = gather_floats(clean->args.out), bad_out = gather_floats(bad->args.out);
+  const std::vector<float> clean_lse = gather_floats(clean->args.lse), bad_lse = gather_floats(bad->args.lse);
+  const size_t seen_by_first_three = size_t(3 * s.num_heads);  // rows of queries 0-2
+  for (size_t e = 0; e < seen_by_first_three * kV; ++e) ASSERT_EQ(bad_out[e], clean_out[e]) << "element " << e;
+  for (size_t r = 0; r < seen_by_first_three; ++r) ASSERT_EQ(bad_lse[r], clean_lse[r]) << "row " << r;
+}
+
 TEST(MhaPrefillCpu, EmptyBatches) {
   // No requests at all.
   PrefillSetup s;

@@ -479,6 +479,37 @@ TEST(MlaDecodeCpu, ResultIndependentOfBatchComposition) {
   EXPECT_TRUE(std::equal(alone_lse.begin(), alone_lse.end(), all_lse.begin() + first_token * 16));
 }
 
+TEST(MlaDecodeCpu, KeysARowMustNotSeeNeverReachIt) {
+  // The next-to-last key of a request with three queries holds inf and NaN values: its first
+  // query does not see it (the causal rule), so that query's rows and the other requests' rows,
+  // paired with rows that see the key or not, must come out exactly as with finite values there.
+  DecodeSetup s;
+  s.num_heads = 3;
+  s.page_size = 16;
+  s.kv_lens = {37, 20, 1};
+  s.q_lens = {3, 2, 1};
+  s.variable_q = true;
+  std::mt19937_64 rng(41);
+  const LogicalCache logical = random_logical_cache(s, rng);
+  LogicalCache poisoned = logical;
+  const size_t key = size_t(35) * kLatentDim;
+  for (size_t d = 0; d < size_t(kLatentDim); d += 7) poisoned[0][key + d] = d % 2 ? float(kInf) : kNaN;
+  std::mt19937_64 layout_a(42), layout_b(42);
+  auto clean = make_problem(s, logical, layout_a);
+  auto bad = make_problem(s, poisoned, layout_b);
+  run_and_check(*clean, s, "finite cache");
+  ASSERT_NO_THROW(mla_decode(bad->args));
+  const std::vector<float> clean_out = gather_floats(clean->args.out), bad_out = gather_floats(bad->args.out);
+  const std::vector<float> clean_lse = gather_floats(clean->args.lse), bad_lse = gather_floats(bad->args.lse);
+  const int64_t row_width = s.num_heads * kKvLoraRank;
+  for (int64_t t : {0, 3, 4, 5}) {  // tokens 1 and 2 (request 0's last queries) see the key
+    for (int64_t e = t * row_width; e < (t + 1) * row_width; ++e)
+      ASSERT_EQ(bad_out[size_t(e)], clean_out[size_t(e)]) << "token " << t << ", element " << e - t * row_width;
+    for (int64_t h = 0; h < s.num_heads; ++h)
+      ASSERT_EQ(bad_lse[size_t(t * s.num_heads + h)], clean_lse[size_t(t * s.num_heads + h)]) << "token " << t;
+  }
+}
+
 TEST(MlaDecodeCpu, EmptyBatchTouchesNothing) {
   // IDLE: no requests at all.
   HostTensor q(DType::kBF16, {0, 16, kLatentDim}), cache(DType::kBF16, {4, 16, kLatentDim});
