@@ -77,6 +77,10 @@ struct BackendConfig {
   ExtendPrefixPath extend_prefix_path = ExtendPrefixPath::kAuto;
   int64_t absorbed_max_extend_len = 128;  // threshold of the kAuto rule (mla/plan.hpp)
   size_t workspace_bytes = Workspace::kDefaultBytes;  // when the Backend creates its workspace
+  // GPU debug mode: the decode family's kernels get MlaDecodeArgs::check_metadata, so that bad
+  // lengths, block tables and page ids (also those the engine's device tensors carried in) are
+  // reported as mla::Error before each launch. It synchronises the stream: not for CUDA graphs.
+  bool check_metadata = false;
 };
 
 struct LayerParams {
@@ -166,7 +170,9 @@ class Backend {
   // [max_bs, padded_block_count(max_context_len)]; capture and replay fill their first bs rows in
   // place, on the device (no allocation, no host copy), and make them the current plan. Each
   // request then has q_len = 1 (DECODE) or num_draft_tokens (TARGET_VERIFY, DRAFT_EXTEND) rows.
-  // req_pool_indices and seq_lens may be longer than bs (the engine's static buffers).
+  // req_pool_indices and seq_lens may be longer than bs (the engine's static buffers). A backend
+  // that ropes inside forward_decode needs absorbed_workspace_bytes(config, max_num_tokens) of
+  // workspace; a smaller one fails at the first forward_decode that needs more, with mla::Error.
   void init_cuda_graph_state(int max_bs, int64_t max_num_tokens);
   void init_forward_metadata_capture_cuda_graph(int bs, int64_t num_tokens,
                                                 const TensorView& req_pool_indices,
@@ -209,6 +215,10 @@ class Backend {
                               Stream stream = nullptr);
   // Workspace bytes forward_extend_chunked needs for Tq new tokens.
   static size_t chunked_extend_workspace_bytes(const BackendConfig& config, int64_t num_tokens);
+  // Workspace bytes forward_decode / forward_extend_absorbed need for T tokens when the backend
+  // ropes (args.cos_sin_cache): the roped query [T, H, 576] and, with save_kv_cache, the roped key.
+  // Without rope they need none. For CUDA graphs, T = init_cuda_graph_state's max_num_tokens.
+  static size_t absorbed_workspace_bytes(const BackendConfig& config, int64_t num_tokens);
 
  private:
   struct Impl;

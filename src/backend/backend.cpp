@@ -79,7 +79,8 @@ TensorView ScratchArena::take(const char* what, DType dtype, std::initializer_li
   MLA_CHECK(used_ + bytes <= workspace_.size_bytes(), op_, ": the workspace (",
             workspace_.size_bytes(), " bytes) is too small: ", what, " needs ", bytes,
             " more bytes with ", used_,
-            " in use; give the Backend a larger Workspace (BackendConfig::workspace_bytes)");
+            " in use; give the Backend a larger Workspace (BackendConfig::workspace_bytes; "
+            "Backend::absorbed_workspace_bytes and chunked_extend_workspace_bytes give a path's needs)");
   TensorView view = TensorView::contiguous(static_cast<char*>(workspace_.data()) + used_, dtype,
                                            shape, workspace_.device());
   used_ += bytes;
@@ -272,12 +273,13 @@ void Backend::Impl::plan_decode_family(const ForwardBatch& batch, Stream stream)
   int32_t* base = detail::reserve_int32(plan_buffer, layout.size(), device, stream);
 
   p.kv_lens = detail::int32_view(base + at_kv_lens, {batch_size}, device);
-  detail::lengths_to_int32(detail::first_rows(batch.seq_lens, batch_size), seq_len_offset,
-                           p.kv_lens, stream);
+  detail::lengths_to_int32(op, "batch.seq_lens", detail::first_rows(batch.seq_lens, batch_size),
+                           seq_len_offset, p.kv_lens, stream);
   if (draft_extend) {
     p.cu_q_lens = detail::int32_view(base + at_cu_q, {int64_t(batch_size) + 1}, device);
     if (device_q_lens) {
-      detail::prefix_sum_int32(detail::first_rows(batch.extend_seq_lens, batch_size), p.cu_q_lens,
+      detail::prefix_sum_int32(op, "batch.extend_seq_lens",
+                               detail::first_rows(batch.extend_seq_lens, batch_size), p.cu_q_lens,
                                stream);
     } else {
       host_staging = std::move(host_cu_q);
@@ -438,7 +440,8 @@ void Backend::Impl::plan_fixed(const char* op, int bs, int64_t num_tokens,
   if (bs > 0) {
     detail::check_index_vector(op, "req_pool_indices", req_pool_indices, bs, config.device);
     detail::check_index_vector(op, "seq_lens", seq_lens, bs, config.device);
-    detail::lengths_to_int32(detail::first_rows(seq_lens, bs), seq_len_offset, p.kv_lens, stream);
+    detail::lengths_to_int32(op, "seq_lens", detail::first_rows(seq_lens, bs), seq_len_offset,
+                             p.kv_lens, stream);
     detail::fill_block_table(config.req_to_token, detail::first_rows(req_pool_indices, bs),
                              p.kv_lens, config.page_size, p.block_table, stream);
     attach_schedule(op, p, graph_schedule, false, stream);
@@ -627,6 +630,7 @@ void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, cons
   decode.out = args.out;
   decode.lse = args.lse;
   decode.schedule = p.schedule;
+  decode.check_metadata = config.check_metadata;
   mla_decode(decode, stream);
 }
 
@@ -872,6 +876,15 @@ size_t Backend::chunked_extend_workspace_bytes(const BackendConfig& config, int6
          ScratchArena::aligned_bytes(config.kv_cache_dtype, {n, kLatentDim}) +
          ScratchArena::aligned_bytes(config.q_dtype, {n, h, 192}) +
          ScratchArena::aligned_bytes(config.q_dtype, {n, h, 128});
+}
+
+size_t Backend::absorbed_workspace_bytes(const BackendConfig& config, int64_t num_tokens) {
+  using detail::ScratchArena;
+  // run_absorbed's scratch: the roped query in q_dtype; the roped key in the key's dtype, which
+  // rope_quantize takes only as bf16 / fp16 (2 bytes) when it also writes it.
+  return ScratchArena::aligned_bytes(config.q_dtype, {num_tokens, config.num_q_heads, kLatentDim}) +
+         ScratchArena::aligned_bytes(DType::kBF16, {num_tokens, kKvLoraRank}) +
+         ScratchArena::aligned_bytes(DType::kBF16, {num_tokens, kRopeDim});
 }
 
 void Backend::forward_extend_chunked(const ForwardBatch& batch, const LayerParams& layer,

@@ -1,5 +1,6 @@
 #include "backend/memory.hpp"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -39,9 +40,9 @@ class CudaDeviceGuard {
            " but this build of mla has no CUDA support (rebuild with nvcc available)");
 }
 
-void check_lengths(const char* op, const TensorView& lens) {
-  check::ndim(op, "lens", lens, 1);
-  check::dtype_in(op, "lens", lens, {DType::kInt32, DType::kInt64});
+void check_lengths(const char* op, const char* name, const TensorView& lens) {
+  check::ndim(op, name, lens, 1);
+  check::dtype_in(op, name, lens, {DType::kInt32, DType::kInt64});
 }
 
 }  // namespace
@@ -177,9 +178,9 @@ void fill_zero(void* dst, size_t bytes, Device device, Stream stream) {
 #endif
 }
 
-void lengths_to_int32(const TensorView& lens, int32_t offset, const TensorView& out, Stream stream) {
-  constexpr const char* op = "lengths_to_int32";
-  check_lengths(op, lens);
+void lengths_to_int32(const char* op, const char* name, const TensorView& lens, int32_t offset,
+                      const TensorView& out, Stream stream) {
+  check_lengths(op, name, lens);
   check::ndim(op, "out", out, 1);
   check::dim(op, "out", out, 0, lens.shape[0], "as lens");
   check::dtype(op, "out", out, DType::kInt32);
@@ -189,7 +190,13 @@ void lengths_to_int32(const TensorView& lens, int32_t offset, const TensorView& 
   if (n == 0) return;
   if (lens.device.type == DeviceType::kCPU) {
     int32_t* dst = static_cast<int32_t*>(out.data);
-    for (int64_t i = 0; i < n; ++i) dst[i] = int32_t(cpu::load_index(lens, i) + offset);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t len = cpu::load_index(lens, i);
+      MLA_CHECK(len >= 0 && len + offset <= INT32_MAX, op, ": ", name, "[", i, "] = ", len,
+                offset ? " (plus the draft step offset)" : "",
+                " is not a length of 0 to 2^31 - 1 tokens");
+      dst[i] = int32_t(len + offset);
+    }
     return;
   }
 #if defined(MLA_WITH_CUDA)
@@ -201,9 +208,9 @@ void lengths_to_int32(const TensorView& lens, int32_t offset, const TensorView& 
 #endif
 }
 
-void prefix_sum_int32(const TensorView& lens, const TensorView& cu, Stream stream) {
-  constexpr const char* op = "prefix_sum_int32";
-  check_lengths(op, lens);
+void prefix_sum_int32(const char* op, const char* name, const TensorView& lens, const TensorView& cu,
+                      Stream stream) {
+  check_lengths(op, name, lens);
   check::ndim(op, "cu", cu, 1);
   check::dim(op, "cu", cu, 0, lens.shape[0] + 1, "lens.shape[0] + 1");
   check::dtype(op, "cu", cu, DType::kInt32);
@@ -215,7 +222,10 @@ void prefix_sum_int32(const TensorView& lens, const TensorView& cu, Stream strea
     int64_t sum = 0;
     dst[0] = 0;
     for (int64_t i = 0; i < n; ++i) {
-      sum += cpu::load_index(lens, i);
+      const int64_t len = cpu::load_index(lens, i);
+      MLA_CHECK(len >= 0 && len <= INT32_MAX - sum, op, ": ", name, "[", i, "] = ", len,
+                len < 0 ? " must be >= 0" : " brings the total past 2^31 - 1");
+      sum += len;
       dst[i + 1] = int32_t(sum);
     }
     return;

@@ -48,9 +48,14 @@ void copy_to_host(void* host_dst, const void* src, size_t bytes, Device device, 
 void fill_zero(void* dst, size_t bytes, Device device, Stream stream);
 
 // out[b] = lens[b] + offset, as int32.   lens [B] int32/int64, out [B] int32 (contiguous).
-void lengths_to_int32(const TensorView& lens, int32_t offset, const TensorView& out, Stream stream);
-// cu[0] = 0, cu[b + 1] = cu[b] + lens[b].   lens [B] int32/int64, cu [B + 1] int32.
-void prefix_sum_int32(const TensorView& lens, const TensorView& cu, Stream stream);
+// On the CPU a result outside [0, 2^31 - 1] is an mla::Error naming op and `name` (the caller's
+// argument); on CUDA the values are not seen (no host copy) and are converted as they are.
+void lengths_to_int32(const char* op, const char* name, const TensorView& lens, int32_t offset,
+                      const TensorView& out, Stream stream);
+// cu[0] = 0, cu[b + 1] = cu[b] + lens[b].   lens [B] int32/int64, cu [B + 1] int32; checked
+// on the CPU as above (each length and the total).
+void prefix_sum_int32(const char* op, const char* name, const TensorView& lens, const TensorView& cu,
+                      Stream stream);
 // dst[n, :] = src[index[n], :].   src [R, W] and dst [N, W] of one dtype with contiguous rows,
 // index [N] int32 in [0, R) (checked on the CPU; on CUDA an index out of range zero-fills the row).
 void gather_rows(const TensorView& src, const TensorView& index, const TensorView& dst,

@@ -31,12 +31,14 @@ struct MultiStepDraftBackend::Impl {
                   const TensorView& seq_lens, Stream stream);
   // Fills kv_lens of every step (kv_lens[i] = seq_lens + i, each a [bs] view) and the shared
   // block table from the last step's lengths, then installs the plans.
-  void build_and_install(int bs, const TensorView& req_pool_indices, const TensorView& seq_lens,
+  void build_and_install(const char* op, const char* seq_lens_name, int bs,
+                         const TensorView& req_pool_indices, const TensorView& seq_lens,
                          const std::vector<TensorView>& kv_lens, const TensorView& block_table,
                          int64_t max_kv_len, bool fixed_buffers, Stream stream);
 };
 
-void MultiStepDraftBackend::Impl::build_and_install(int bs, const TensorView& req_pool_indices,
+void MultiStepDraftBackend::Impl::build_and_install(const char* op, const char* seq_lens_name, int bs,
+                                                    const TensorView& req_pool_indices,
                                                     const TensorView& seq_lens,
                                                     const std::vector<TensorView>& kv_lens,
                                                     const TensorView& block_table,
@@ -44,7 +46,8 @@ void MultiStepDraftBackend::Impl::build_and_install(int bs, const TensorView& re
                                                     Stream stream) {
   const int num_step_backends = int(steps.size());
   for (int i = 0; i < num_step_backends; ++i)
-    detail::lengths_to_int32(detail::first_rows(seq_lens, bs), i, kv_lens[size_t(i)], stream);
+    detail::lengths_to_int32(op, seq_lens_name, detail::first_rows(seq_lens, bs), i,
+                             kv_lens[size_t(i)], stream);
   detail::fill_block_table(config.req_to_token, detail::first_rows(req_pool_indices, bs),
                            kv_lens.back(), config.page_size, block_table, stream);
   for (int i = 0; i < num_step_backends; ++i) {
@@ -112,7 +115,7 @@ void MultiStepDraftBackend::Impl::plan(const ForwardBatch& batch, Stream stream)
   int32_t* base = detail::reserve_int32(plan_buffer, layout.size(), device, stream);
   std::vector<TensorView> kv_lens;
   for (int64_t at : at_kv_lens) kv_lens.push_back(detail::int32_view(base + at, {bs}, device));
-  build_and_install(bs, batch.req_pool_indices, batch.seq_lens, kv_lens,
+  build_and_install(op, "batch.seq_lens", bs, batch.req_pool_indices, batch.seq_lens, kv_lens,
                     detail::int32_view(base + at_block_table, {bs, width}, device), max_kv_len,
                     false, stream);
 }
@@ -141,7 +144,7 @@ void MultiStepDraftBackend::Impl::plan_fixed(const char* op, int bs, int64_t num
   const TensorView block_table =
       detail::int32_view(graph_base + graph_block_table_at, {bs, graph_max_blocks}, device);
   if (bs > 0) {
-    build_and_install(bs, req_pool_indices, seq_lens, kv_lens, block_table, max_context_len(),
+    build_and_install(op, "seq_lens", bs, req_pool_indices, seq_lens, kv_lens, block_table, max_context_len(),
                       true, stream);
     return;
   }

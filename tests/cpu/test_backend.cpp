@@ -364,6 +364,9 @@ TEST(BackendDecode, SplitQueryAndInt64IndicesMatchFusedQuery) {
   args.q_pe = q_pe.view();
   backend.forward_decode(batch, make_layer(pool), args);
   expect_matches(p, naive_absorbed(pool, p), "split q, int64 indices");
+  // An int64 length that int32 cannot hold is an error naming it, not a length cut to 32 bits.
+  seq64.i64(1) = (int64_t(1) << 32) + 47;
+  EXPECT_TRUE(throws_error([&] { backend.init_forward_metadata(batch); }, {"batch.seq_lens[1] = 4294967343"}));
 }
 
 TEST(BackendDecode, Fp8CacheMatchesNaive) {
@@ -430,6 +433,18 @@ TEST(BackendDecode, RopePathEqualsPreRopedInputs) {
   const Reference ref = naive_absorbed(pool, p);
   EXPECT_TRUE(all_close(p.out.to_float(), ref.out, 2e-3, 2e-3));
   EXPECT_TRUE(all_close(p.lse.to_float(), ref.lse, 2e-3, 2e-3));
+
+  // The workspace this path needs: absorbed_workspace_bytes is enough, a byte less is not.
+  BackendConfig sized = make_config(pool, heads);
+  sized.workspace_bytes = Backend::absorbed_workspace_bytes(sized, 2);
+  Backend exact(sized);
+  exact.init_forward_metadata(batch);
+  EXPECT_NO_THROW(exact.forward_decode(batch, make_layer(pool), args));
+  sized.workspace_bytes -= 1;
+  Backend short_by_one(sized);
+  short_by_one.init_forward_metadata(batch);
+  EXPECT_TRUE(throws_error([&] { short_by_one.forward_decode(batch, make_layer(pool), args); },
+                           {"workspace", "too small", "absorbed_workspace_bytes"}));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -285,14 +285,30 @@ TEST(MemoryLayer, LengthsPrefixSumsAndRowGather) {
   HostTensor lens64(DType::kInt64, {4});
   for (int i = 0; i < 4; ++i) lens64.i64(i) = 10 * i + 1;
   HostTensor out(DType::kInt32, {4}), cu(DType::kInt32, {5});
-  detail::lengths_to_int32(lens64.view(), 3, out.view(), nullptr);
+  detail::lengths_to_int32("op", "lens", lens64.view(), 3, out.view(), nullptr);
   EXPECT_EQ(read_int32(out.view()), (std::vector<int32_t>{4, 14, 24, 34}));
-  detail::prefix_sum_int32(lens64.view(), cu.view(), nullptr);
+  detail::prefix_sum_int32("op", "lens", lens64.view(), cu.view(), nullptr);
   EXPECT_EQ(read_int32(cu.view()), (std::vector<int32_t>{0, 1, 12, 33, 64}));
   HostTensor empty(DType::kInt32, {0}), cu1(DType::kInt32, {1});
   cu1.i32(0) = 7;
-  detail::prefix_sum_int32(empty.view(), cu1.view(), nullptr);
+  detail::prefix_sum_int32("op", "lens", empty.view(), cu1.view(), nullptr);
   EXPECT_EQ(cu1.i32(0), 0);
+  // int64 lengths that int32 cannot hold, negative ones and totals past 2^31 - 1 are errors that
+  // name the caller's argument, not values cut to 32 bits.
+  lens64.i64(2) = (int64_t(1) << 32) + 21;
+  EXPECT_TRUE(throws_error([&] { detail::lengths_to_int32("plan", "batch.seq_lens", lens64.view(), 0, out.view(), nullptr); },
+                           {"plan", "batch.seq_lens[2] = 4294967317", "2^31 - 1"}));
+  lens64.i64(2) = -(int64_t(1) << 32) + 8;
+  EXPECT_TRUE(throws_error([&] { detail::lengths_to_int32("plan", "batch.seq_lens", lens64.view(), 0, out.view(), nullptr); },
+                           {"batch.seq_lens[2] = -4294967288"}));
+  lens64.i64(2) = INT32_MAX;
+  EXPECT_TRUE(throws_error([&] { detail::lengths_to_int32("plan", "seq_lens", lens64.view(), 1, out.view(), nullptr); },
+                           {"seq_lens[2] = 2147483647", "draft step offset"}));
+  EXPECT_TRUE(throws_error([&] { detail::prefix_sum_int32("plan", "batch.extend_seq_lens", lens64.view(), cu.view(), nullptr); },
+                           {"batch.extend_seq_lens[2] = 2147483647", "past 2^31 - 1"}));
+  lens64.i64(2) = -1;
+  EXPECT_TRUE(throws_error([&] { detail::prefix_sum_int32("plan", "batch.extend_seq_lens", lens64.view(), cu.view(), nullptr); },
+                           {"batch.extend_seq_lens[2] = -1", ">= 0"}));
 
   HostTensor src(DType::kBF16, {5, 6}), dst(DType::kBF16, {3, 6});
   for (int64_t i = 0; i < src.numel(); ++i) src.set(i, float(i));

@@ -609,6 +609,34 @@ TEST(GpuBackend, EmptyRowsMatchCpuBackend) {
   }
 }
 
+// BackendConfig::check_metadata: device lengths that outgrow the block table (its width taken
+// from stale seq_lens_cpu) are reported before the launch; without it nothing is (the kernels
+// clamp the lengths to the table).
+TEST(GpuBackend, CheckMetadataReportsLengthsPastTheBlockTable) {
+  MLA_REQUIRE_GPU();
+  std::mt19937_64 rng(17);
+  Pool pool(64, 12, 512, 3, DType::kBF16, rng());
+  AbsorbedBatch b = make_absorbed_batch(pool, ForwardMode::kDecode, {{1, 300, 1}, {2, 9, 1}}, 16,
+                                        DType::kInt32, rng);
+  pool.upload();
+  b.upload();
+  BackendConfig config = make_config(pool, 16, true, DType::kBF16);
+  ForwardBatch batch = b.batch(true, true);
+  const std::vector<int32_t> stale = {10, 10};  // the table gets 2 pages (128 tokens) a request
+  batch.seq_lens_cpu = stale;
+  CudaStream stream;
+  config.check_metadata = true;
+  Backend checked(config);
+  checked.init_forward_metadata(batch, stream.get());
+  EXPECT_TRUE(throws_error([&] { checked.forward_decode(batch, make_layer(pool, true), b.args(true, false), stream.get()); },
+                           {"kv_lens[0]", "must be in [0, "}));
+  config.check_metadata = false;
+  Backend unchecked(config);
+  unchecked.init_forward_metadata(batch, stream.get());
+  EXPECT_NO_THROW(unchecked.forward_decode(batch, make_layer(pool, true), b.args(true, false), stream.get()));
+  MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+}
+
 // A 16k-token request next to short ones: the GPU scheduler splits it over several CTAs.
 TEST(GpuBackend, LongRequestIsSplitAndMatchesCpuBackend) {
   MLA_REQUIRE_GPU();
