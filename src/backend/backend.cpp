@@ -287,6 +287,24 @@ void Backend::Impl::plan_decode_family(const ForwardBatch& batch, Stream stream)
                              host_staging.size() * sizeof(int32_t), device, stream);
     }
   }
+  if (device.type == DeviceType::kCPU) {
+    // The device tensors' values are visible here: name the engine's argument that disagrees with
+    // the bounds planned from the host ones (on CUDA: BackendConfig::check_metadata).
+    const int32_t* kv = static_cast<const int32_t*>(p.kv_lens.data);
+    const int64_t table_tokens = int64_t(width) * config.page_size;
+    for (int b = 0; b < batch_size; ++b)
+      MLA_CHECK(kv[b] <= table_tokens, op, ": batch.seq_lens[", b, "] = ", kv[b] - seq_len_offset,
+                seq_len_offset ? " (plus the draft step offset)" : "", " does not fit the block table of ",
+                table_tokens, " tokens a request planned from ",
+                batch.seq_lens_cpu.empty() ? "max_context_len" : "batch.seq_lens_cpu (stale?)");
+    if (draft_extend && device_q_lens && !host_q_lens) {
+      const int32_t* cu = static_cast<const int32_t*>(p.cu_q_lens.data);
+      for (int b = 0; b < batch_size; ++b)
+        MLA_CHECK(cu[b + 1] - cu[b] <= p.max_q_len, op, ": batch.extend_seq_lens[", b, "] = ",
+                  cu[b + 1] - cu[b], " is more than the bound on the queries per request, ",
+                  p.max_q_len, " (batch.num_draft_tokens or BackendConfig::num_draft_tokens)");
+    }
+  }
   p.max_blocks = width;
   p.max_kv_len = max_kv_len;
   p.block_table = detail::int32_view(base + at_block_table, {batch_size, width}, device);

@@ -1197,6 +1197,37 @@ TEST(BackendErrors, BadConfigNamesTheField) {
   EXPECT_TRUE(throws_error([] { MultiStepDraftBackend d(0, BackendConfig{}); }, {"num_steps"}));
 }
 
+TEST(BackendErrors, DraftExtendLengthsBeyondTheBoundNameTheArgument) {
+  std::mt19937_64 rng(14);
+  const int heads = 4;
+  Pool pool(16, 64, 128, 4, DType::kFP16, 7);
+  AbsorbedProblem p = make_absorbed_problem(pool, {{0, 30, 1}, {1, 7, 4}}, heads, DType::kFP16, rng);
+  BackendConfig config = make_config(pool, heads);
+  config.num_draft_tokens = 2;  // the bound on the queries per request; request 1 has 4
+  Backend backend(config);
+  const ForwardBatch device_lengths = p.batch(ForwardMode::kDraftExtend, false);
+  EXPECT_TRUE(throws_error([&] { backend.init_forward_metadata(device_lengths); },
+                           {"batch.extend_seq_lens[1] = 4", "bound", "num_draft_tokens"}));
+  config.num_draft_tokens = 4;
+  Backend enough(config);
+  EXPECT_NO_THROW(enough.init_forward_metadata(device_lengths));
+}
+
+TEST(BackendErrors, StaleHostLengthsNameTheArgument) {
+  // Device lengths beyond the block table planned from the host lengths: the error names both.
+  std::mt19937_64 rng(15);
+  const int heads = 4;
+  Pool pool(64, 16, 512, 4, DType::kFP16, 8);
+  AbsorbedProblem p = make_absorbed_problem(pool, {{0, 30, 1}, {1, 200, 1}}, heads, DType::kFP16, rng);
+  Backend backend(make_config(pool, heads));
+  ForwardBatch batch = p.batch(ForwardMode::kDecode);
+  const std::vector<int32_t> stale = {31, 100};  // the table: 2 pages of 64 tokens a request
+  batch.seq_lens_cpu = stale;
+  EXPECT_TRUE(throws_error([&] { backend.init_forward_metadata(batch); },
+                           {"batch.seq_lens[1] = 201", "block table of 128 tokens", "batch.seq_lens_cpu"}));
+  EXPECT_NO_THROW(backend.init_forward_metadata(p.batch(ForwardMode::kDecode)));
+}
+
 TEST(BackendErrors, BadBatchesAndForwardsNameTheArgument) {
   std::mt19937_64 rng(13);
   const int heads = 4;
