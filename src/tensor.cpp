@@ -40,12 +40,13 @@ TensorView TensorView::strided(void* data, DType dtype, std::initializer_list<in
 
 int64_t TensorView::numel() const {
   int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  for (int d = 0; d < ndim && d < kMaxDims; ++d) n *= shape[d];
   return n;
 }
 
 bool TensorView::is_contiguous() const {
   int64_t expected = 1;
+  if (ndim > kMaxDims) return false;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && stride[d] != expected) return false;
     expected *= shape[d];
@@ -55,6 +56,7 @@ bool TensorView::is_contiguous() const {
 
 std::string TensorView::describe() const {
   if (empty()) return "(not given)";
+  if (ndim < 0 || ndim > kMaxDims) return "(a view of " + std::to_string(ndim) + " dims)";
   std::string out = "[";
   for (int d = 0; d < ndim; ++d) {
     if (d) out += ", ";
@@ -69,6 +71,8 @@ namespace check {
 
 void not_empty(const char* op, const char* arg, const TensorView& t) {
   MLA_CHECK(!t.empty(), op, ": ", arg, " is required but was not given");
+  MLA_CHECK(t.ndim >= 0 && t.ndim <= kMaxDims, op, ": ", arg, ".ndim must be in [0, ", kMaxDims,
+            "] (a TensorView holds at most ", kMaxDims, " dims), got ", t.ndim);
   MLA_CHECK(t.data != nullptr || t.numel() == 0, op, ": ", arg, " has ", t.numel(),
             " elements but a null data pointer");
   for (int d = 0; d < t.ndim; ++d)

@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "mla/error.hpp"
+#include "mla/tensor.hpp"
 
 namespace {
 
@@ -46,3 +47,20 @@ TEST(ErrorMessage, CheckThrowsWithMessageAndLocation) {
 }
 
 }  // namespace
+
+// A hand-built view whose ndim is past what a TensorView holds is an error naming it, and is
+// never walked past its shape array.
+TEST(TensorChecks, ViewsWithImpossibleDimCountsAreErrors) {
+  float storage[4] = {};
+  for (int bad : {5, 100, -1}) {
+    mla::TensorView t = mla::TensorView::contiguous(storage, mla::DType::kFP32, {4}, mla::Device::cpu());
+    t.ndim = bad;
+    try {
+      mla::check::ndim("op", "x", t, 3);
+      ADD_FAILURE() << "ndim " << bad << " was accepted";
+    } catch (const mla::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("x.ndim must be in [0, 4]"), std::string::npos) << e.what();
+    }
+    EXPECT_NE(t.describe().find("dims"), std::string::npos);
+  }
+}
