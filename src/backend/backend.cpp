@@ -491,6 +491,12 @@ const Plan& Backend::Impl::plan_for(const char* op, const ForwardBatch& batch, S
             " but the plan was made for ", forward_mode_name(plan.mode),
             "; call init_forward_metadata for this batch");
   if (batch.batch_size > plan.batch_size) {
+    // A CUDA-graph plan is not re-planned: the new plan would live in the eager buffers, which a
+    // graph being captured would then point at while later eager plans move or reuse them.
+    MLA_CHECK(!plan.fixed_buffers, op, ": batch.batch_size ", batch.batch_size,
+              " is larger than the CUDA-graph plan's ", plan.batch_size,
+              " requests (init_forward_metadata_capture/replay_cuda_graph); capture and replay "
+              "with the padded batch size, or plan this batch with init_forward_metadata");
     // Data-parallel padding grew the batch after it was planned: re-plan rather than read past
     // the end of the plan.
     if (replan_all_steps)

@@ -1364,6 +1364,12 @@ TEST(BackendErrors, BadBatchesAndForwardsNameTheArgument) {
   EXPECT_TRUE(throws_error([&] {
     backend.init_forward_metadata_replay_cuda_graph(2, p.req_pool_indices.view(), TensorView{}, ForwardMode::kDecode);
   }, {"seq_lens"}));
+  // A CUDA-graph plan is not re-planned for a larger batch (its buffers are the graph's).
+  backend.init_forward_metadata_capture_cuda_graph(1, 1, p.req_pool_indices.view(), p.seq_lens.view(), ForwardMode::kDecode);
+  EXPECT_TRUE(throws_error([&] { backend.forward_decode(good, layer, p.args()); },
+                           {"batch.batch_size 2", "CUDA-graph plan's 1", "padded batch size"}));
+  backend.init_forward_metadata(good);  // an eager plan for the batch: fine again
+  EXPECT_NO_THROW(backend.forward_decode(good, layer, p.args()));
 }
 
 }  // namespace
