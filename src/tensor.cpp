@@ -1,5 +1,9 @@
 #include "mla/tensor.hpp"
 
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+
 #include "mla/error.hpp"
 
 namespace mla {
@@ -110,6 +114,26 @@ void inner_contiguous(const char* op, const char* arg, const TensorView& t) {
   MLA_CHECK(t.ndim == 0 || t.shape[t.ndim - 1] <= 1 || t.stride[t.ndim - 1] == 1, op, ": ", arg,
             " must have a contiguous last dimension (stride 1), got stride ",
             t.stride[t.ndim - 1]);
+}
+
+void non_overlapping(const char* op, const char* arg, const TensorView& t) {
+  // Dims of more than one element by |stride|, innermost first: each dim's stride must clear the
+  // span of the dims inside it (a sufficient condition, met by every dense or padded layout).
+  std::array<int, kMaxDims> order{};
+  int n = 0;
+  for (int d = 0; d < t.ndim && d < kMaxDims; ++d)
+    if (t.shape[d] > 1) order[size_t(n++)] = d;
+  std::stable_sort(order.begin(), order.begin() + n,
+            [&](int a, int b) { return std::abs(t.stride[a]) < std::abs(t.stride[b]); });
+  int64_t span = 1;  // elements covered by the dims so far
+  for (int i = 0; i < n; ++i) {
+    const int d = order[size_t(i)];
+    const int64_t stride = std::abs(t.stride[d]);
+    MLA_CHECK(stride >= span, op, ": ", arg, " is an output whose elements overlap: stride[", d,
+              "] = ", t.stride[d], " over ", t.shape[d], " elements (", t.describe(),
+              "); give it distinct memory for every element");
+    span = stride * (t.shape[d] - 1) + span;
+  }
 }
 
 void contiguous(const char* op, const char* arg, const TensorView& t) {

@@ -101,7 +101,8 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
 //
 //    Queries come either as one [T, H, 576] tensor `q`, or as q_nope [T, H, 512] and q_pe
 //    [T, H, 64] (no concatenation copy). Query, output and LSE may have any strides on the token
-//    and head dims; the last dim must be contiguous.
+//    and head dims; the last dim must be contiguous, and no two output elements may overlap
+//    (check::non_overlapping: a stride of 0 or rows laid over each other is an mla::Error).
 // The GPU decode kernel. kAuto runs the Hopper kernel (wgmma + TMA, warp-specialised) where it
 // applies: an sm_90 device, a build with sm_90a, a bf16 or fp16 query and cache of one dtype, a
 // page size >= 16, 16-byte aligned query rows, and either more than 16 query rows a request

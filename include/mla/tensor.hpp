@@ -68,6 +68,9 @@ void dtype_in(const char* op, const char* arg, const TensorView& t,
               std::initializer_list<DType> allowed);
 void inner_contiguous(const char* op, const char* arg, const TensorView& t);  // last stride 1
 void contiguous(const char* op, const char* arg, const TensorView& t);
+// An output: no two elements share an address (a stride of 0 over a dim of more than one element,
+// or rows laid over each other, would let one element's result overwrite another's).
+void non_overlapping(const char* op, const char* arg, const TensorView& t);
 void same_device(const char* op, const char* arg, const TensorView& t, Device expected);
 }  // namespace check
 

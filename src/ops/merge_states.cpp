@@ -23,6 +23,7 @@ void merge_states(const MergeStatesArgs& args, Stream stream) {
     check::dtype_in(op, name, *t, out_dtypes);
     check::inner_contiguous(op, name, *t);
   }
+  check::non_overlapping(op, "out", args.out);
   for (auto [name, t] : {std::pair{"lse_a", &args.lse_a}, {"lse_b", &args.lse_b}, {"lse_out", &args.lse_out}}) {
     if (t == &args.lse_out && t->empty()) continue;
     check::ndim(op, name, *t, 2);
@@ -30,6 +31,7 @@ void merge_states(const MergeStatesArgs& args, Stream stream) {
     check::dim(op, name, *t, 1, num_heads, "heads, as out_a");
     check::dtype(op, name, *t, DType::kFP32);
   }
+  if (!args.lse_out.empty()) check::non_overlapping(op, "lse_out", args.lse_out);
   const Device device = detail::common_device(
       op, {{"out_a", &args.out_a}, {"lse_a", &args.lse_a}, {"out_b", &args.out_b},
            {"lse_b", &args.lse_b}, {"out", &args.out}, {"lse_out", &args.lse_out}});

@@ -35,11 +35,13 @@ inline void check_attention_outputs(const char* op, const TensorView& out, const
   check::dim(op, "out", out, 2, out_dim, out_dim_what);
   check::dtype_in(op, "out", out, {DType::kBF16, DType::kFP16, DType::kFP32});
   check::inner_contiguous(op, "out", out);
+  check::non_overlapping(op, "out", out);
   if (!lse.empty()) {
     check::ndim(op, "lse", lse, 2);
     check::dim(op, "lse", lse, 0, num_tokens, "tokens, as q");
     check::dim(op, "lse", lse, 1, num_heads, "heads, as q");
     check::dtype(op, "lse", lse, DType::kFP32);
+    check::non_overlapping(op, "lse", lse);
   }
 }
 

@@ -178,6 +178,12 @@ TEST(MergeStatesCpu, BadArguments) {
   a.out.stride[2] = 2;
   EXPECT_TRUE(throws_error([&] { merge_states(a); }, {"out", "contiguous last dimension"}));
   a = p.args;
+  a.out.stride[0] = 0;  // every token's rows on the first token's
+  EXPECT_TRUE(throws_error([&] { merge_states(a); }, {"out is an output whose elements overlap"}));
+  a = p.args;
+  a.lse_out.stride[1] = 0;
+  EXPECT_TRUE(throws_error([&] { merge_states(a); }, {"lse_out is an output whose elements overlap"}));
+  a = p.args;
   a.lse_b = TensorView();
   EXPECT_TRUE(throws_error([&] { merge_states(a); }, {"lse_b is required"}));
   a = p.args;

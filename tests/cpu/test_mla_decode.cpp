@@ -732,6 +732,17 @@ TEST_F(MlaDecodeErrors, ScalesAndOutputs) {
   a = args();
   a.out.stride[2] = 3;
   EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"out", "contiguous last dimension"}));
+  // Outputs whose rows share memory (a broadcast head dim, tokens laid over the heads).
+  a = args();
+  a.out.stride[1] = 0;
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"out is an output whose elements overlap", "stride[1] = 0"}));
+  a = args();
+  a.out.stride[0] = kKvLoraRank;
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"out is an output whose elements overlap", "] = 512 over 4 elements"}));
+  a = args();
+  a.lse.stride[0] = 1;
+  a.lse.stride[1] = 1;
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"lse is an output whose elements overlap"}));
   a = args();
   a.lse.dtype = DType::kBF16;
   EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"lse must be fp32"}));
