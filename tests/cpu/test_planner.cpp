@@ -149,6 +149,12 @@ TEST(Planner, AbsorbedOrChunkedDecision) {
   // Short extensions of long prefixes: absorbed; long extensions: chunked.
   EXPECT_TRUE(use_absorbed_extend(std::vector<int32_t>{100, 1000}, std::vector<int32_t>{1, 1}, P::kAuto, 128));
   EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{100}, std::vector<int32_t>{200}, P::kAuto, 128));
+  for (P path : {P::kAuto, P::kAbsorbed, P::kChunked}) {
+    EXPECT_TRUE(throws_error([&] { use_absorbed_extend(std::vector<int32_t>{5, -1}, std::vector<int32_t>{1, 1}, path, 128); },
+                             {"use_absorbed_extend", "prefix_lens[1] must be >= 0"}));
+    EXPECT_TRUE(throws_error([&] { use_absorbed_extend(std::vector<int32_t>{5, 1}, std::vector<int32_t>{-3, 1}, path, 128); },
+                             {"extend_lens[0] must be >= 0"}));
+  }
   EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{100}, std::vector<int32_t>{1}, P::kChunked, 128));
   // The prefix-weighted mean: (1 * 10000 + 1000 * 10) / 10010 ~ 2.0 <= 128.
   EXPECT_TRUE(use_absorbed_extend(std::vector<int32_t>{10000, 10}, std::vector<int32_t>{1, 1000}, P::kAuto, 128));
