@@ -167,6 +167,9 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
             batch, " requests exceed the GPU kernel's 32-bit indexing");
   MLA_CHECK(num_heads >= 1 && num_heads <= kMaxHeads, op, ": the GPU kernel supports 1 to ", kMaxHeads,
             " heads, got ", num_heads);
+  // A request's rows (q_len * H) are 32-bit in the kernels; T * H bounds them.
+  MLA_CHECK(num_tokens * num_heads <= INT_MAX, op, ": ", num_tokens, " tokens x ", num_heads,
+            " heads exceed the GPU kernel's 32-bit row indexing");
   if (args.check_metadata) check_metadata_on_host(args, num_tokens, to_cuda(stream));
 
   // Compute dtype: the 16-bit dtype of the query or the cache; fp8 operands are converted to it.
