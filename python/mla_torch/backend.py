@@ -194,6 +194,53 @@ def _cu_lens(lens: Tensor) -> Tensor:
     return torch.nn.functional.pad(torch.cumsum(lens, dim=0, dtype=torch.int32), (1, 0))
 
 
+def _check_numel(name: str, t: Tensor, tokens: int, heads: int, width: Any) -> None:
+    """t must hold tokens x heads x width elements (width: one value or a tuple of choices)."""
+    widths = width if isinstance(width, tuple) else (width,)
+    if t.numel() not in [tokens * heads * w for w in widths]:
+        shapes = " or ".join(f"[{tokens}, {heads * w}]" for w in widths)
+        raise ValueError(f"MlaBackend: {name} must hold {shapes} elements (tokens x "
+                         f"{'heads x ' if heads > 1 else ''}width), got {list(t.shape)}")
+
+
+def _attention_tp_size(model_runner: Any) -> int:
+    """The ranks one layer's attention heads are split over: the runner's attn_tp_size when it
+    has one; else tp_size, divided by dp_size under data-parallel attention (each DP group
+    splits the heads over its tp_size / dp_size ranks)."""
+    attn_tp = getattr(model_runner, "attn_tp_size", None)
+    if attn_tp:
+        return int(attn_tp)
+    tp_size = int(getattr(model_runner, "tp_size", 1) or 1)
+    server_args = getattr(model_runner, "server_args", None)
+    if server_args is not None and getattr(server_args, "enable_dp_attention", False):
+        dp_size = int(getattr(server_args, "dp_size", 1) or 1)
+        return max(1, tp_size // dp_size)
+    return tp_size
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _check_host_lengths(name: str, lens: Any, bs: int, offset: int = 0) -> None:
+    """Lengths the host can see (a *_cpu list or tensor, or a CPU tensor) must fit the kernels'
+    int32 lengths; device tensors are not read here (that would synchronise)."""
+    if lens is None or bs == 0:
+        return
+    if isinstance(lens, Tensor):
+        if lens.device.type != "cpu":
+            return
+        values = lens[:bs].to(torch.int64)
+        lo, hi = int(values.min()), int(values.max())
+    else:
+        values = list(lens[:bs])
+        lo, hi = min(values), max(values)
+    if lo < 0 or hi + offset > _INT32_MAX:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"MlaBackend: {name} holds {bad}"
+                         f"{' (plus the offset ' + str(offset) + ')' if offset else ''}; lengths "
+                         f"must be in [0, 2^31 - 1]")
+
+
 def _saturate_fp8(x: Tensor, scale: float = 1.0) -> Tensor:
     y = x.float() if scale == 1.0 else x.float() / scale
     return y.clamp(-ops.FP8_E4M3_MAX, ops.FP8_E4M3_MAX).to(torch.float8_e4m3fn)
@@ -270,10 +317,9 @@ class MlaBackend:
         """Builds the backend from an SGLang-style ModelRunner (model_config, page_size,
         req_to_token_pool, token_to_kv_pool, kv_cache_dtype, dtype, server_args)."""
         config = model_runner.model_config
-        tp_size = getattr(model_runner, "tp_size", 1) or 1
         server_args = getattr(model_runner, "server_args", None)
         kwargs = dict(
-            num_q_heads=config.num_attention_heads // tp_size,
+            num_q_heads=config.num_attention_heads // _attention_tp_size(model_runner),
             page_size=model_runner.page_size,
             req_to_token=model_runner.req_to_token_pool.req_to_token,
             token_to_kv_pool=model_runner.token_to_kv_pool,
@@ -339,13 +385,22 @@ class MlaBackend:
         q_len = 1
         if kind == _VERIFY:
             n = self._draft_token_num(getattr(forward_batch, "spec_info", None))
+            _check_host_lengths("seq_lens", seq_lens, bs, n)
+            _check_host_lengths("seq_lens_cpu", seq_lens_cpu, bs, n)
             kv_lens = (seq_lens + n).to(torch.int32)
             q_len = max_q_len = n
             max_kv = host_max + n if host_max is not None else self.max_context_len
         elif kind in (_DRAFT_EXTEND, _EXTEND):
+            _check_host_lengths("seq_lens", seq_lens, bs)
+            _check_host_lengths("seq_lens_cpu", seq_lens_cpu, bs)
+            if getattr(forward_batch, "extend_seq_lens", None) is None:
+                raise ValueError("MlaBackend: extend batches need extend_seq_lens (the new "
+                                 "tokens per request, on the device)")
+            _check_host_lengths("extend_seq_lens", forward_batch.extend_seq_lens, bs)
             kv_lens = seq_lens.to(torch.int32)
             cu_q_lens = _cu_lens(forward_batch.extend_seq_lens[:bs])
             lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
+            _check_host_lengths("extend_seq_lens_cpu", lens_cpu, bs)
             if lens_cpu is not None:
                 max_q_len = max(lens_cpu[:bs], default=0)
             elif kind == _DRAFT_EXTEND and self.num_draft_tokens:
@@ -356,6 +411,8 @@ class MlaBackend:
             max_kv = host_max if host_max is not None else self.max_context_len
         else:  # decode, idle
             offset = self.step_offset if step_offset is None else step_offset
+            _check_host_lengths("seq_lens", seq_lens, bs, offset)
+            _check_host_lengths("seq_lens_cpu", seq_lens_cpu, bs, offset)
             kv_lens = (seq_lens + offset).to(torch.int32) if offset else seq_lens.to(torch.int32)
             max_q_len = 1
             max_kv = host_max + offset if host_max is not None else self.max_context_len
@@ -370,8 +427,16 @@ class MlaBackend:
 
     def _plan_extend(self, forward_batch: Any) -> PrefillMetadata:
         bs = int(forward_batch.batch_size)
-        lens_cpu = forward_batch.extend_seq_lens_cpu
+        lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
+        if lens_cpu is None:
+            raise ValueError("MlaBackend: EXTEND is planned from host lengths: "
+                             "extend_seq_lens_cpu is required")
+        if getattr(forward_batch, "extend_seq_lens", None) is None:
+            raise ValueError("MlaBackend: EXTEND needs extend_seq_lens (the new tokens per "
+                             "request, on the device)")
         prefix_cpu = getattr(forward_batch, "extend_prefix_lens_cpu", None) or [0] * bs
+        _check_host_lengths("extend_seq_lens_cpu", lens_cpu, bs)
+        _check_host_lengths("extend_prefix_lens_cpu", prefix_cpu, bs)
         has_prefix = any(p > 0 for p in prefix_cpu[:bs])
         use_chunked = has_prefix and not self.disable_chunked_prefix_cache
         md = PrefillMetadata(bs, _cu_lens(forward_batch.extend_seq_lens[:bs]),
@@ -551,6 +616,13 @@ class MlaBackend:
         if md is None:
             raise RuntimeError("MlaBackend: init_forward_metadata was not called for this batch")
         if md.batch_size < int(forward_batch.batch_size):
+            if any(md is g for g in self.decode_cuda_graph_metadata.values()):
+                # A CUDA-graph plan: a new plan would live in fresh buffers that a graph being
+                # captured would record and its replays never update.
+                raise ValueError(
+                    f"MlaBackend: batch_size {int(forward_batch.batch_size)} is larger than the "
+                    f"CUDA-graph plan's {md.batch_size}; capture and replay with the padded "
+                    f"batch size, or plan this batch with init_forward_metadata")
             # The batch grew after planning (data-parallel padding): plan again.
             self.init_forward_metadata(forward_batch)
             md = self.forward_decode_metadata
@@ -568,18 +640,36 @@ class MlaBackend:
         k_scale = self._k_scale(layer)
         fp8 = self.data_type == torch.float8_e4m3fn
         query = q_nope = q_pe = None
-        k_nope = k.reshape(num_tokens, self.kv_lora_rank) if k is not None else None
-        k_pe = k_rope.reshape(num_tokens, self.qk_rope_head_dim) if k_rope is not None else None
-        if q_rope is None:
+        lora, rope, latent = self.kv_lora_rank, self.qk_rope_head_dim, self.kv_cache_dim
+        _check_numel("q", q, num_tokens, num_heads, latent if q_rope is None else lora)
+        if q_rope is not None:
+            _check_numel("q_rope", q_rope, num_tokens, num_heads, rope)
+        k_nope = k_pe = None
+        if k is not None:
+            # c_kv [T, 512] with k_rope [T, 64], or the whole latent [T, 576] without k_rope.
+            _check_numel("k", k, num_tokens, 1, lora if k_rope is not None else (lora, latent))
+            if k_rope is None and k.numel() == num_tokens * latent:
+                k_latent = k.reshape(num_tokens, latent)
+                k_nope, k_pe = k_latent[:, :lora], k_latent[:, lora:]
+            else:
+                k_nope = k.reshape(num_tokens, lora)
+        if k_rope is not None:
+            _check_numel("k_rope", k_rope, num_tokens, 1, rope)
+            k_pe = k_rope.reshape(num_tokens, rope)
+        if q_rope is None and cos_sin_cache is None:
             # The query comes merged: [T, H * 576].
-            query = q.view(num_tokens, num_heads, self.kv_cache_dim)
+            query = q.view(num_tokens, num_heads, latent)
             if fp8 and query.dtype != torch.float8_e4m3fn:
                 query = _saturate_fp8(query)
             elif not fp8 and query.dtype != self.data_type:
                 query = query.to(self.data_type)
         else:
-            q_nope = q.view(num_tokens, num_heads, self.kv_lora_rank)
-            q_pe = q_rope.view(num_tokens, num_heads, self.qk_rope_head_dim)
+            if q_rope is None:  # merged, roped here: its last 64 dims are q_pe
+                merged = q.view(num_tokens, num_heads, latent)
+                q_nope, q_pe = merged[..., :lora], merged[..., lora:]
+            else:
+                q_nope = q.view(num_tokens, num_heads, lora)
+                q_pe = q_rope.view(num_tokens, num_heads, rope)
             if cos_sin_cache is not None:
                 # RoPE (and for an fp8 cache the query quantisation) in one pass.
                 q_dtype = torch.float8_e4m3fn if fp8 else self.data_type
@@ -665,6 +755,28 @@ class MlaBackend:
             q, k, v, md.cu_q_lens, md.cu_q_lens, layer.scaling, max_q_len=md.max_q_len,
             max_kv_len=md.max_q_len, causal=True, out_dtype=self.q_data_type,
             return_lse=bool(getattr(forward_batch, "mha_return_lse", False)), **scales)
+
+    def forward(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], layer: Any,
+                forward_batch: Any, save_kv_cache: bool = True, **kwargs):
+        """The engine's single entry (what an attention layer calls): IDLE gives an empty
+        output, DECODE goes to forward_decode, every other mode to forward_extend."""
+        kind = mode_kind(forward_batch.forward_mode)
+        if kind == _IDLE:
+            width = layer.tp_q_head_num * layer.v_head_dim
+            return q.new_empty((q.shape[0], width), dtype=self.q_data_type)
+        if kind == _DECODE:
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    # ---- speculative decoding hooks -----------------------------------------------------------
+
+    def get_verify_buffers_to_fill_after_draft(self) -> List[Optional[Tensor]]:
+        """TARGET_VERIFY here is causal among each request's drafts (chain drafting, topk 1):
+        there is no tree mask or other buffer for the engine to fill after drafting."""
+        return [None, None]
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info: Any, cuda_graph_bs: Any) -> None:
+        """Nothing to update (see get_verify_buffers_to_fill_after_draft)."""
 
     # ---- helpers for the engine's model code ------------------------------------------------------
 
@@ -797,3 +909,7 @@ class MlaMultiStepDraftBackend:
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: Any, bs: int) -> None:
         self._each(forward_batch, False, bs)
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """Capture (in_capture) or replay of every step's decode plan from the batch object."""
+        self._each(forward_batch, in_capture, int(forward_batch.batch_size))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from mla_reference import cdiv
+from mla_reference import cdiv, make_cos_sin_cache
 from mla_torch import (AttentionLayer, ForwardBatch, ForwardMode, LatentKvPool, MlaBackend,
                        MlaMultiStepDraftBackend, SpecInfo, mode_kind)
 
@@ -256,6 +256,129 @@ def test_from_model_runner():
     assert b.num_q_heads == 16 and b.num_draft_tokens == 4 and b.disable_chunked_prefix_cache
     d = MlaMultiStepDraftBackend.from_model_runner(runner, topk=1, speculative_num_steps=3)
     assert [x.step_offset for x in d.attn_backends] == [1, 2]
+    # Data-parallel attention: the heads are split over tp_size / dp_size ranks, not tp_size.
+    runner.server_args.enable_dp_attention, runner.server_args.dp_size = True, 8
+    assert MlaBackend.from_model_runner(runner).num_q_heads == 128
+    runner.server_args.dp_size = 2
+    assert MlaBackend.from_model_runner(runner).num_q_heads == 32
+    runner.attn_tp_size = 2  # a runner that says it
+    assert MlaBackend.from_model_runner(runner).num_q_heads == 64
+
+
+def rope_decode_inputs(seed=3):
+    """Two DECODE requests' new tokens, before RoPE: q_nope / q_pe, c_kv / k_pe (bf16)."""
+    gen = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    q_nope = torch.randn(2, 4, 512, generator=gen).to(bf)
+    q_pe = torch.randn(2, 4, 64, generator=gen).to(bf)
+    c_kv = torch.randn(2, 512, generator=gen).to(bf)
+    k_pe = torch.randn(2, 64, generator=gen).to(bf)
+    return q_nope, q_pe, c_kv, k_pe
+
+
+def decode_with_slots(r2t, reqs, lens):
+    fb = batch(ForwardMode.DECODE, reqs, lens)
+    fb.out_cache_loc = torch.stack([r2t[r, n - 1] for r, n in zip(reqs, lens)]).to(torch.int64)
+    fb.positions = torch.tensor([n - 1 for n in lens])
+    return fb
+
+
+def test_rope_in_the_backend_with_a_merged_query():
+    """With cos_sin_cache, a merged query [T, H * 576] and latent [T, 576] are roped like the
+    split ones (q_nope | q_rope, c_kv | k_rope), and the cache gets the roped key."""
+    layer = AttentionLayer(0, 4, 576, 512, 0.1)
+    cos_sin = make_cos_sin_cache(64)
+    q_nope, q_pe, c_kv, k_pe = rope_decode_inputs()
+    results = []
+    for merged in (False, True):
+        backend, r2t = make_backend()
+        fb = decode_with_slots(r2t, [0, 1], [5, 9])
+        backend.init_forward_metadata(fb)
+        if merged:
+            out = backend.forward_decode(torch.cat([q_nope, q_pe], -1).reshape(2, -1),
+                                         torch.cat([c_kv, k_pe], -1), None, layer, fb,
+                                         cos_sin_cache=cos_sin, is_neox=True)
+        else:
+            out = backend.forward_decode(q_nope.reshape(2, -1), c_kv, None, layer, fb,
+                                         q_rope=q_pe.reshape(2, -1), k_rope=k_pe,
+                                         cos_sin_cache=cos_sin, is_neox=True)
+        cache = backend.token_to_kv_pool.get_key_buffer(0)[fb.out_cache_loc, 0].clone()
+        results.append((out, cache))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+    assert not torch.equal(results[1][1][:, 512:], k_pe)  # the cached k_pe is roped
+
+
+def test_forward_entry_and_verify_hooks():
+    """forward() dispatches by mode as an engine's attention layer calls it; the verify hooks say
+    there is nothing to fill."""
+    backend, r2t = make_backend()
+    layer = AttentionLayer(0, 4, 576, 512, 0.1)
+    q_nope, q_pe, c_kv, k_pe = rope_decode_inputs()
+    q = torch.cat([q_nope, q_pe], -1).reshape(2, -1)
+    fb = decode_with_slots(r2t, [0, 1], [5, 9])
+    backend.init_forward_metadata(fb)
+    direct = backend.forward_decode(q, c_kv, None, layer, fb, k_rope=k_pe)
+    assert torch.equal(backend.forward(q, c_kv, None, layer, fb, k_rope=k_pe), direct)
+    idle = batch(ForwardMode.IDLE, [], [])
+    backend.init_forward_metadata(idle)
+    assert backend.forward(q[:0], None, None, layer, idle).shape == (0, 4 * 512)
+    assert backend.get_verify_buffers_to_fill_after_draft() == [None, None]
+    backend.update_verify_buffers_to_fill_after_draft(None, None)
+
+
+def test_bad_inputs_name_the_argument():
+    backend, r2t = make_backend()
+    layer = AttentionLayer(0, 4, 576, 512, 0.1)
+    fb = decode_with_slots(r2t, [0, 1], [5, 9])
+    backend.init_forward_metadata(fb)
+    with pytest.raises(ValueError, match=r"q must hold \[2, 2304\]"):
+        backend.forward_decode(torch.zeros(2, 4 * 512, dtype=torch.bfloat16), None, None, layer,
+                               fb, save_kv_cache=False)
+    with pytest.raises(ValueError, match=r"k_rope must hold \[2, 64\]"):
+        backend.forward_decode(torch.zeros(2, 4 * 512, dtype=torch.bfloat16),
+                               torch.zeros(2, 512, dtype=torch.bfloat16), None, layer, fb,
+                               q_rope=torch.zeros(2, 4 * 64, dtype=torch.bfloat16),
+                               k_rope=torch.zeros(2, 32, dtype=torch.bfloat16))
+    # int64 lengths that int32 cannot hold: an error naming them, not lengths cut to 32 bits.
+    big = batch(ForwardMode.DECODE, [0, 1], [5, 2**32 + 6])
+    with pytest.raises(ValueError, match=r"seq_lens holds 4294967302"):
+        backend.init_forward_metadata(big)
+    big.seq_lens_cpu = None
+    with pytest.raises(ValueError, match=r"seq_lens holds 4294967302"):
+        backend.init_forward_metadata(big)
+    # EXTEND is planned from host lengths.
+    ext = batch(ForwardMode.EXTEND, [0], [3], extend=None, prefix=[0])
+    ext.extend_seq_lens = torch.tensor([3])
+    with pytest.raises(ValueError, match="extend_seq_lens_cpu is required"):
+        backend.init_forward_metadata(ext)
+
+
+def test_graph_plan_is_not_replanned_for_a_larger_batch():
+    backend, _ = make_backend()
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    backend.init_forward_metadata_capture_cuda_graph(2, 2, torch.tensor([0, 1]), torch.tensor([5, 6]))
+    grown = batch(ForwardMode.DECODE, [0, 1, 2], [5, 6, 1])
+    layer = AttentionLayer(0, 4, 576, 512, 0.1)
+    q = torch.zeros(3, 4 * 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA-graph plan's 2"):
+        backend.forward_decode(q, None, None, layer, grown, save_kv_cache=False)
+
+
+def test_multi_step_out_graph_entry():
+    base, r2t = make_backend()
+    kw = dict(num_q_heads=4, page_size=PAGE, req_to_token=base.req_to_token,
+              token_to_kv_pool=base.token_to_kv_pool, kv_cache_dtype=torch.bfloat16)
+    drafter = MlaMultiStepDraftBackend(speculative_num_steps=3, **kw)
+    drafter.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
+    fb = batch(ForwardMode.DECODE, [0, 3], [5, 12])
+    drafter.init_forward_metadata_out_graph(fb, in_capture=True)
+    ptrs = [b.forward_decode_metadata.kv_lens.data_ptr() for b in drafter.attn_backends]
+    fb2 = batch(ForwardMode.DECODE, [3, 0], [7, 2])
+    drafter.init_forward_metadata_out_graph(fb2)
+    mds = [b.forward_decode_metadata for b in drafter.attn_backends]
+    assert [m.kv_lens.data_ptr() for m in mds] == ptrs
+    assert [m.kv_lens.tolist() for m in mds] == [[7, 2], [8, 3]]
 
 
 @requires_cuda
