@@ -283,11 +283,13 @@ def decode_with_slots(r2t, reqs, lens):
     return fb
 
 
-def test_rope_in_the_backend_with_a_merged_query():
-    """With cos_sin_cache, a merged query [T, H * 576] and latent [T, 576] are roped like the
-    split ones (q_nope | q_rope, c_kv | k_rope), and the cache gets the roped key."""
+@pytest.mark.parametrize("rope", [True, False])
+def test_merged_query_and_latent_equal_split_ones(rope):
+    """A merged query [T, H * 576] and latent [T, 576] give what the split ones (q_nope | q_rope,
+    c_kv | k_rope) give, with RoPE in the backend (cos_sin_cache: the cache gets the roped key)
+    or without."""
     layer = AttentionLayer(0, 4, 576, 512, 0.1)
-    cos_sin = make_cos_sin_cache(64)
+    kw = dict(cos_sin_cache=make_cos_sin_cache(64), is_neox=True) if rope else {}
     q_nope, q_pe, c_kv, k_pe = rope_decode_inputs()
     results = []
     for merged in (False, True):
@@ -296,17 +298,15 @@ def test_rope_in_the_backend_with_a_merged_query():
         backend.init_forward_metadata(fb)
         if merged:
             out = backend.forward_decode(torch.cat([q_nope, q_pe], -1).reshape(2, -1),
-                                         torch.cat([c_kv, k_pe], -1), None, layer, fb,
-                                         cos_sin_cache=cos_sin, is_neox=True)
+                                         torch.cat([c_kv, k_pe], -1), None, layer, fb, **kw)
         else:
             out = backend.forward_decode(q_nope.reshape(2, -1), c_kv, None, layer, fb,
-                                         q_rope=q_pe.reshape(2, -1), k_rope=k_pe,
-                                         cos_sin_cache=cos_sin, is_neox=True)
+                                         q_rope=q_pe.reshape(2, -1), k_rope=k_pe, **kw)
         cache = backend.token_to_kv_pool.get_key_buffer(0)[fb.out_cache_loc, 0].clone()
         results.append((out, cache))
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
-    assert not torch.equal(results[1][1][:, 512:], k_pe)  # the cached k_pe is roped
+    assert torch.equal(results[1][1][:, 512:], k_pe) != rope  # roped in the cache with RoPE
 
 
 def test_forward_entry_and_verify_hooks():
