@@ -417,8 +417,10 @@ class MlaBackend:
             max_q_len = 1
             max_kv = host_max + offset if host_max is not None else self.max_context_len
         if block_table is None:
-            block_table = torch.empty((bs, self._max_blocks(max_kv)), dtype=torch.int32,
-                                      device=self.device)
+            # -1 (keys read as zeros) where the GPU's build_block_table leaves a row untouched:
+            # a device length past this width (stale *_cpu lengths) must not reach stale memory.
+            block_table = torch.full((bs, self._max_blocks(max_kv)), -1, dtype=torch.int32,
+                                     device=self.device)
             if bs > 0:
                 ops.build_block_table(self.req_to_token, forward_batch.req_pool_indices[:bs],
                                       kv_lens, self.page_size, block_table)
