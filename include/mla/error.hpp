@@ -2,7 +2,8 @@
 //
 // Messages name the argument and what was expected versus what was given, and carry the file and
 // line where the check failed, e.g.
-//   "mla_decode: kv_cache.shape[2] must be 576 (kv_lora_rank 512 + rope 64), got 512 [src/ops/decode.cpp:88]"
+//   "mla_decode: kv_cache.shape[2] must be 576 (kv_lora_rank 512 + rope 64), got 512
+//    ([8, 64, 512] bf16 cpu) [src/tensor.cpp:94]"
 #pragma once
 
 #include <charconv>

@@ -105,7 +105,8 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
 //    (check::non_overlapping: a stride of 0 or rows laid over each other is an mla::Error).
 // The GPU decode kernel. kAuto runs the Hopper kernel (wgmma + TMA, warp-specialised) where it
 // applies: an sm_90 device, a build with sm_90a, a bf16 or fp16 query and cache of one dtype, a
-// page size >= 16, 16-byte aligned query rows, and either more than 16 query rows a request
+// page size >= 16, a cache of at most 2^31 - 1 token slots (P x S), 16-byte aligned query rows,
+// and either more than 16 query rows a request
 // (max_q_len x heads) or a batch of 32 requests or more (at 16 rows the portable kernel is faster
 // for smaller batches); anything else runs the portable mma.sync kernel
 // (sm_80 and newer). kPortable always runs the portable kernel; kHopper runs the Hopper kernel or
@@ -120,7 +121,7 @@ struct MlaDecodeArgs {
   TensorView kv_cache;     // [P, S, 576] bf16/fp16/fp8e4m3, contiguous
   TensorView block_table;  // [B, max_blocks] int32, page ids in [0, P) for the pages in use
   TensorView kv_lens;      // [B] int32, each in [0, max_blocks * S]
-  TensorView cu_q_lens;    // [B + 1] int32, non-decreasing, cu_q_lens[B] == T; optional
+  TensorView cu_q_lens;    // [B + 1] int32, cu_q_lens[0] == 0, non-decreasing, cu_q_lens[B] == T; optional
   int q_len = 1;           // queries per request when cu_q_lens is empty (T == B * q_len)
   int max_q_len = 0;       // upper bound on q_len_b (GPU launch shape); 0 = derive (CPU only)
   float softmax_scale = 0; // required, > 0

@@ -137,7 +137,7 @@ double tolerance_for(DType input_dtype);
 
 // One timed kernel: the library op, or a baseline written the way a user would.
 struct Measurement {
-  std::string kernel;  // "mla-cpu", "mla-cuda", "mla-cuda-unsplit", "naive-cublas"
+  std::string kernel;  // "mla-cpu"; decode "mla-sm80-mma" / "mla-sm90-wgmma" (+ "-unsplit"); prefill "mla-cuda"; "naive-cublas"
   double time_us = 0;  // median
   HostBuffer out;      // the kernel's output, copied to the host
   bool is_baseline = false;

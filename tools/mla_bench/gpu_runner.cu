@@ -1,6 +1,7 @@
 // mla-bench on a CUDA device: inputs generated on the host and copied, every run timed with CUDA
-// events, L2 flushed before each run, median of the timed runs. Decode runs twice: with the
-// split-KV schedule ("mla-cuda") and without ("mla-cuda-unsplit"). The same run measures the card's
+// events, L2 flushed before each run, median of the timed runs. Decode runs each kernel twice: with
+// the split-KV schedule ("mla-sm90-wgmma", "mla-sm80-mma") and without ("...-unsplit"); prefill is
+// "mla-cuda". The same run measures the card's
 // ceilings (a large cuBLAS bf16 GEMM, a large device-to-device copy) and, for decode, the naive
 // way a user would write it by hand:
 //   1. gather each request's pages into contiguous keys [B, kv, 576] bf16 (dequantised),
