@@ -59,6 +59,7 @@ def main():
     os.makedirs(a.out, exist_ok=True)
 
     best = {}  # (case index, kernel) -> {tag: (time_us, verified)}
+    failed = {}  # (case index, tag) -> runs that exited non-zero (crash, timeout, unverified row)
     ok = True
     for rnd in range(1, a.rounds + 1):
         for ci, case in enumerate(a.case):
@@ -67,6 +68,8 @@ def main():
                 cmd = [path, "--device", a.device, "--op", "decode", "--warmup", str(a.warmup),
                        "--iters", str(a.iters), *shlex.split(case), "--json", stem + ".json"]
                 env = dict(os.environ, **extra)
+                if os.path.exists(stem + ".json"):
+                    os.remove(stem + ".json")  # never read a previous run's results
                 try:
                     with open(stem + ".err", "w") as err:
                         rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
@@ -76,13 +79,18 @@ def main():
                 except OSError as e:
                     rc = e.strerror
                 if rc != 0:
+                    # mla-bench exits 1 when a row fails verification but still writes its JSON:
+                    # those rows are read (and shown NOT VERIFIED); the run is counted as failed.
                     print(f"run failed ({rc}): {' '.join(cmd)}", file=sys.stderr)
                     ok = False
+                    failed[(ci, tag)] = failed.get((ci, tag), 0) + 1
+                if not os.path.exists(stem + ".json"):
                     continue
                 with open(stem + ".json") as f:
                     rows = json.load(f)["rows"]
                 for r in rows:
                     if r.get("time_us") is None:
+                        ok = False
                         continue
                     verified = bool(r.get("verified"))
                     ok = ok and verified
@@ -93,6 +101,8 @@ def main():
                         record(best, ci, r["kernel"] + " (graph)", tag, r["graph_us"], verified)
 
     base = tags[0]
+    for (ci, tag), n in sorted(failed.items()):
+        print(f"{a.case[ci]:45s} {'FAILED RUNS':24s} | {tag} {n} of {a.rounds}")
     for (ci, kernel), by_tag in sorted(best.items()):
         line = f"{a.case[ci]:45s} {kernel:24s}"
         ref = by_tag.get(base, (None, True))[0]

@@ -4,6 +4,7 @@
 // float64 naive computation.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -127,9 +128,17 @@ Work prefill_work(const PrefillProblem& p);
 struct Verification {
   double max_rel_err = 0;
   int64_t rows_checked = 0;
-  bool full = false;       // every row was checked
+  bool full = false;       // every row was checked against the reference
   double tolerance = 0;
-  bool passed() const { return max_rel_err <= tolerance; }
+  int64_t non_finite = 0;  // output elements (of all rows, sampled or not) that are NaN or inf
+  bool passed() const { return max_rel_err <= tolerance && non_finite == 0; }
+  // Both outputs of one kernel (eager and graph-replayed): the worse of the two.
+  void merge(const Verification& o) {
+    max_rel_err = std::max(max_rel_err, o.max_rel_err);
+    rows_checked += o.rows_checked;
+    non_finite += o.non_finite;
+    full = full && o.full;
+  }
 };
 Verification verify_decode(const DecodeProblem& p, const HostBuffer& out, uint64_t seed);
 Verification verify_prefill(const PrefillProblem& p, const HostBuffer& out, uint64_t seed);
@@ -140,6 +149,9 @@ struct Measurement {
   std::string kernel;  // "mla-cpu"; decode "mla-sm80-mma" / "mla-sm90-wgmma" (+ "-unsplit"); prefill "mla-cuda"; "naive-cublas"
   double time_us = 0;  // median
   HostBuffer out;      // the kernel's output, copied to the host
+  // The output of the CUDA-graph replays (graph_us), written into a buffer poisoned again after
+  // the eager runs, so that a graph that writes nothing (or part of it) fails verification too.
+  std::optional<HostBuffer> graph_out;
   bool is_baseline = false;
   std::optional<double> plan_us;  // median time of plan_decode for this case (scheduled variants)
   std::optional<double> graph_us; // median time of the same call replayed from a CUDA graph

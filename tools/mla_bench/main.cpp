@@ -223,6 +223,7 @@ std::vector<Row> run_case(Runner& runner, const BenchCase& c, int warmup, int it
     measured = runner.run_decode(p, warmup, iters);
     for (const Measurement& m : measured) {
       checks.push_back(verify_decode(p, m.out, seed));
+      if (m.graph_out) checks.back().merge(verify_decode(p, *m.graph_out, seed));
       // The naive baseline computes in bf16 whatever the input dtype.
       if (m.is_baseline)
         checks.back().tolerance = std::max(checks.back().tolerance, tolerance_for(DType::kBF16));
@@ -231,7 +232,10 @@ std::vector<Row> run_case(Runner& runner, const BenchCase& c, int warmup, int it
     const PrefillProblem p = make_prefill_problem(c, seed);
     work = prefill_work(p);
     measured = runner.run_prefill(p, warmup, iters);
-    for (const Measurement& m : measured) checks.push_back(verify_prefill(p, m.out, seed));
+    for (const Measurement& m : measured) {
+      checks.push_back(verify_prefill(p, m.out, seed));
+      if (m.graph_out) checks.back().merge(verify_prefill(p, *m.graph_out, seed));
+    }
   }
   std::optional<double> naive_us;
   for (const Measurement& m : measured)
@@ -256,6 +260,7 @@ std::vector<Row> run_case(Runner& runner, const BenchCase& c, int warmup, int it
     row.max_rel_err = checks[i].max_rel_err;
     row.tolerance = checks[i].tolerance;
     row.rows_checked = checks[i].rows_checked;
+    row.non_finite = checks[i].non_finite;
     row.verified = checks[i].passed();
     rows.push_back(std::move(row));
   }

@@ -152,6 +152,7 @@ void write_json(const std::string& path, const Report& r) {
     os << ", \"max_rel_err\": " << (ran ? json_number(row.max_rel_err) : "null");
     os << ", \"tolerance\": " << json_number(row.tolerance);
     os << ", \"rows_checked\": " << row.rows_checked;
+    os << ", \"non_finite\": " << row.non_finite;
     os << ", \"verified\": " << (row.verified ? "true" : "false");
     os << ", \"error\": " << json_string_or_null(row.error);
     os << "}";

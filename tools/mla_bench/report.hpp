@@ -25,6 +25,7 @@ struct Row {
   double max_rel_err = 0;
   double tolerance = 0;
   int64_t rows_checked = 0;
+  int64_t non_finite = 0;                  // NaN / inf output elements (any makes verified false)
   bool verified = false;
   std::string error;  // set when the case could not run
 };
