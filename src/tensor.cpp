@@ -1,6 +1,5 @@
 #include "mla/tensor.hpp"
 
-#include <algorithm>
 #include <array>
 #include <cstdlib>
 
@@ -119,12 +118,16 @@ void inner_contiguous(const char* op, const char* arg, const TensorView& t) {
 void non_overlapping(const char* op, const char* arg, const TensorView& t) {
   // Dims of more than one element by |stride|, innermost first: each dim's stride must clear the
   // span of the dims inside it (a sufficient condition, met by every dense or padded layout).
+  if (t.numel() == 0) return;  // nothing is written
   std::array<int, kMaxDims> order{};
   int n = 0;
-  for (int d = 0; d < t.ndim && d < kMaxDims; ++d)
-    if (t.shape[d] > 1) order[size_t(n++)] = d;
-  std::stable_sort(order.begin(), order.begin() + n,
-            [&](int a, int b) { return std::abs(t.stride[a]) < std::abs(t.stride[b]); });
+  for (int d = 0; d < t.ndim && d < kMaxDims; ++d) {
+    if (t.shape[d] <= 1) continue;
+    int i = n++;  // insertion by |stride|, stable: at most kMaxDims dims
+    for (; i > 0 && std::abs(t.stride[order[size_t(i - 1)]]) > std::abs(t.stride[d]); --i)
+      order[size_t(i)] = order[size_t(i - 1)];
+    order[size_t(i)] = d;
+  }
   int64_t span = 1;  // elements covered by the dims so far
   for (int i = 0; i < n; ++i) {
     const int d = order[size_t(i)];

@@ -480,12 +480,14 @@ class MlaBackend:
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """Plans the batch for its forward mode (eager, outside CUDA graphs)."""
         kind = mode_kind(forward_batch.forward_mode)
+        # No plan until this one is made: a batch that fails to plan leaves none to run with.
+        self.forward_prefill_metadata = None
+        self.forward_decode_metadata = None
         if kind == _EXTEND:
             if self.skip_prefill:
                 raise ValueError("MlaBackend: this backend was built with skip_prefill")
             self.forward_prefill_metadata = self._plan_extend(forward_batch)
             return
-        self.forward_prefill_metadata = None
         self.forward_decode_metadata = self._plan_absorbed(forward_batch, kind)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
@@ -689,7 +691,8 @@ class MlaBackend:
                 q_nope, q_pe = q_nope.to(self.data_type), q_pe.to(self.data_type)
         if save_kv_cache:
             if k_nope is None or k_pe is None:
-                raise ValueError("MlaBackend: save_kv_cache needs k (c_kv, 512 wide) and k_rope")
+                raise ValueError("MlaBackend: save_kv_cache needs k (c_kv [T, 512] with k_rope "
+                                 "[T, 64], or the whole latent [T, 576])")
             ops.append_latent_kv(k_nope, k_pe, forward_batch.out_cache_loc, kv_cache, k_scale)
         out = torch.empty((num_tokens, num_heads, self.kv_lora_rank), dtype=self.q_data_type,
                           device=q.device)
@@ -877,6 +880,8 @@ class MlaMultiStepDraftBackend:
     def init_forward_metadata(self, forward_batch: Any) -> None:
         if not self.attn_backends:
             return
+        for backend in self.attn_backends:  # no step keeps a plan if this batch fails to plan
+            backend.forward_prefill_metadata = backend.forward_decode_metadata = None
         last = self.attn_backends[-1]
         last.init_forward_metadata(forward_batch)
         shared = last.forward_decode_metadata.block_table

@@ -354,6 +354,19 @@ def test_bad_inputs_name_the_argument():
         backend.init_forward_metadata(ext)
 
 
+def test_a_batch_that_fails_to_plan_leaves_no_plan():
+    """After a failed init_forward_metadata, forward does not run with the previous batch's plan."""
+    backend, r2t = make_backend()
+    layer = AttentionLayer(0, 4, 576, 512, 0.1)
+    backend.init_forward_metadata(decode_with_slots(r2t, [0, 1], [5, 9]))
+    with pytest.raises(ValueError, match="seq_lens"):
+        backend.init_forward_metadata(batch(ForwardMode.DECODE, [2, 3], [7, 2**32 + 6]))
+    q = torch.zeros(2, 4 * 576, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
+        backend.forward_decode(q, None, None, layer, batch(ForwardMode.DECODE, [2, 3], [7, 8]),
+                               save_kv_cache=False)
+
+
 def test_graph_plan_is_not_replanned_for_a_larger_batch():
     backend, _ = make_backend()
     backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)

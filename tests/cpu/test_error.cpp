@@ -64,3 +64,27 @@ TEST(TensorChecks, ViewsWithImpossibleDimCountsAreErrors) {
     EXPECT_NE(t.describe().find("dims"), std::string::npos);
   }
 }
+
+// check::non_overlapping: every dense, padded or transposed layout passes; a stride of 0 or rows
+// laid over each other fail; a tensor with no elements writes nothing and passes.
+TEST(TensorChecks, NonOverlappingOutputs) {
+  float storage[64] = {};
+  auto view = [&](std::initializer_list<int64_t> shape, std::initializer_list<int64_t> stride) {
+    return mla::TensorView::strided(storage, mla::DType::kFP32, shape, stride, mla::Device::cpu());
+  };
+  const auto ok = [](const mla::TensorView& t) {
+    try {
+      mla::check::non_overlapping("op", "out", t);
+      return true;
+    } catch (const mla::Error&) {
+      return false;
+    }
+  };
+  EXPECT_TRUE(ok(view({2, 3, 4}, {12, 4, 1})));   // dense
+  EXPECT_TRUE(ok(view({2, 3, 4}, {4, 8, 1})));    // head-major
+  EXPECT_TRUE(ok(view({2, 3}, {1, 2})));          // transposed
+  EXPECT_TRUE(ok(view({2, 1, 4}, {5, 0, 1})));    // size-1 dim with stride 0, padded rows
+  EXPECT_TRUE(ok(view({0, 16, 4}, {4, 0, 1})));   // no elements
+  EXPECT_FALSE(ok(view({2, 3, 4}, {12, 0, 1})));  // a broadcast dim
+  EXPECT_FALSE(ok(view({3, 4}, {2, 1})));         // rows laid over each other
+}
