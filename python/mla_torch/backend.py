@@ -241,6 +241,16 @@ def _check_host_lengths(name: str, lens: Any, bs: int, offset: int = 0) -> None:
                          f"must be in [0, 2^31 - 1]")
 
 
+def _extend_lens(forward_batch: Any, bs: int) -> Tensor:
+    """The first bs of forward_batch.extend_seq_lens (new tokens per request), required."""
+    lens = getattr(forward_batch, "extend_seq_lens", None)
+    if lens is None:
+        raise ValueError("MlaBackend: extend batches need extend_seq_lens (the new tokens per "
+                         "request, on the device)")
+    _check_host_lengths("extend_seq_lens", lens, bs)
+    return lens[:bs]
+
+
 def _saturate_fp8(x: Tensor, scale: float = 1.0) -> Tensor:
     y = x.float() if scale == 1.0 else x.float() / scale
     return y.clamp(-ops.FP8_E4M3_MAX, ops.FP8_E4M3_MAX).to(torch.float8_e4m3fn)
@@ -382,23 +392,13 @@ class MlaBackend:
         seq_lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
         host_max = int(seq_lens_cpu[:bs].max()) if seq_lens_cpu is not None and bs > 0 else None
         cu_q_lens = None
-        q_len = 1
-        if kind == _VERIFY:
-            n = self._draft_token_num(getattr(forward_batch, "spec_info", None))
-            _check_host_lengths("seq_lens", seq_lens, bs, n)
-            _check_host_lengths("seq_lens_cpu", seq_lens_cpu, bs, n)
-            kv_lens = (seq_lens + n).to(torch.int32)
-            q_len = max_q_len = n
-            max_kv = host_max + n if host_max is not None else self.max_context_len
+        q_len = max_q_len = 1
+        # Keys a request attends = seq_lens + offset.
+        if kind == _VERIFY:  # seq_lens excludes the draft tokens
+            offset = q_len = max_q_len = self._draft_token_num(getattr(forward_batch, "spec_info", None))
         elif kind in (_DRAFT_EXTEND, _EXTEND):
-            _check_host_lengths("seq_lens", seq_lens, bs)
-            _check_host_lengths("seq_lens_cpu", seq_lens_cpu, bs)
-            if getattr(forward_batch, "extend_seq_lens", None) is None:
-                raise ValueError("MlaBackend: extend batches need extend_seq_lens (the new "
-                                 "tokens per request, on the device)")
-            _check_host_lengths("extend_seq_lens", forward_batch.extend_seq_lens, bs)
-            kv_lens = seq_lens.to(torch.int32)
-            cu_q_lens = _cu_lens(forward_batch.extend_seq_lens[:bs])
+            offset, q_len = 0, 0
+            cu_q_lens = _cu_lens(_extend_lens(forward_batch, bs))
             lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
             _check_host_lengths("extend_seq_lens_cpu", lens_cpu, bs)
             if lens_cpu is not None:
@@ -407,15 +407,12 @@ class MlaBackend:
                 max_q_len = self.num_draft_tokens
             else:
                 raise ValueError("MlaBackend: extend batches need extend_seq_lens_cpu")
-            q_len = 0
-            max_kv = host_max if host_max is not None else self.max_context_len
         else:  # decode, idle
             offset = self.step_offset if step_offset is None else step_offset
-            _check_host_lengths("seq_lens", seq_lens, bs, offset)
-            _check_host_lengths("seq_lens_cpu", seq_lens_cpu, bs, offset)
-            kv_lens = (seq_lens + offset).to(torch.int32) if offset else seq_lens.to(torch.int32)
-            max_q_len = 1
-            max_kv = host_max + offset if host_max is not None else self.max_context_len
+        _check_host_lengths("seq_lens", seq_lens, bs, offset)
+        _check_host_lengths("seq_lens_cpu", seq_lens_cpu, bs, offset)
+        kv_lens = (seq_lens + offset).to(torch.int32) if offset else seq_lens.to(torch.int32)
+        max_kv = host_max + offset if host_max is not None else self.max_context_len
         if block_table is None:
             # -1 (keys read as zeros) where the GPU's build_block_table leaves a row untouched:
             # a device length past this width (stale *_cpu lengths) must not reach stale memory.
@@ -433,15 +430,12 @@ class MlaBackend:
         if lens_cpu is None:
             raise ValueError("MlaBackend: EXTEND is planned from host lengths: "
                              "extend_seq_lens_cpu is required")
-        if getattr(forward_batch, "extend_seq_lens", None) is None:
-            raise ValueError("MlaBackend: EXTEND needs extend_seq_lens (the new tokens per "
-                             "request, on the device)")
         prefix_cpu = getattr(forward_batch, "extend_prefix_lens_cpu", None) or [0] * bs
-        _check_host_lengths("extend_seq_lens_cpu", lens_cpu, bs)
         _check_host_lengths("extend_prefix_lens_cpu", prefix_cpu, bs)
         has_prefix = any(p > 0 for p in prefix_cpu[:bs])
         use_chunked = has_prefix and not self.disable_chunked_prefix_cache
-        md = PrefillMetadata(bs, _cu_lens(forward_batch.extend_seq_lens[:bs]),
+        # (extend_seq_lens_cpu is checked by the absorbed plan below)
+        md = PrefillMetadata(bs, _cu_lens(_extend_lens(forward_batch, bs)),
                              max(lens_cpu[:bs], default=0), has_prefix, use_chunked)
         # The absorbed path serves prefixes when chunking is off, and any engine that calls
         # forward_extend with the absorbed (576-wide) layer.
