@@ -150,8 +150,8 @@ struct Measurement {
   std::string kernel;  // "mla-cpu"; decode "mla-sm80-mma" / "mla-sm90-wgmma" (+ "-unsplit"); prefill "mla-cuda"; "naive-cublas"
   double time_us = 0;  // median
   HostBuffer out;      // the kernel's output, copied to the host
-  // The output of the CUDA-graph replays (graph_us), written into a buffer poisoned again after
-  // the eager runs, so that a graph that writes nothing (or part of it) fails verification too.
+  // Decode on the GPU: the output of the CUDA-graph replays (graph_us), written into a buffer
+  // poisoned again after the eager runs, so that a graph that writes nothing fails verification.
   std::optional<HostBuffer> graph_out;
   bool is_baseline = false;
   std::optional<double> plan_us;  // median time of plan_decode for this case (scheduled variants)
