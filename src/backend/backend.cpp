@@ -893,6 +893,8 @@ void Backend::forward_prefix_chunk(const ForwardBatch& batch, int chunk_idx,
 
 size_t Backend::chunked_extend_workspace_bytes(const BackendConfig& config, int64_t num_tokens) {
   using detail::ScratchArena;
+  MLA_CHECK(num_tokens >= 0, "chunked_extend_workspace_bytes: num_tokens must be >= 0, got ",
+            num_tokens);
   const int64_t h = config.num_q_heads;
   const int64_t n = config.prefix_chunk_capacity;
   return 2 * ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h, 128}) +
@@ -904,6 +906,7 @@ size_t Backend::chunked_extend_workspace_bytes(const BackendConfig& config, int6
 
 size_t Backend::absorbed_workspace_bytes(const BackendConfig& config, int64_t num_tokens) {
   using detail::ScratchArena;
+  MLA_CHECK(num_tokens >= 0, "absorbed_workspace_bytes: num_tokens must be >= 0, got ", num_tokens);
   // run_absorbed's scratch: the roped query in q_dtype; the roped key in the key's dtype, which
   // rope_quantize takes only as bf16 / fp16 (2 bytes) when it also writes it.
   return ScratchArena::aligned_bytes(config.q_dtype, {num_tokens, config.num_q_heads, kLatentDim}) +

@@ -445,6 +445,10 @@ TEST(BackendDecode, RopePathEqualsPreRopedInputs) {
   short_by_one.init_forward_metadata(batch);
   EXPECT_TRUE(throws_error([&] { short_by_one.forward_decode(batch, make_layer(pool), args); },
                            {"workspace", "too small", "absorbed_workspace_bytes"}));
+  EXPECT_TRUE(throws_error([&] { Backend::absorbed_workspace_bytes(sized, -1); },
+                           {"absorbed_workspace_bytes", "num_tokens must be >= 0"}));
+  EXPECT_TRUE(throws_error([&] { Backend::chunked_extend_workspace_bytes(sized, -1); },
+                           {"chunked_extend_workspace_bytes", "num_tokens must be >= 0"}));
 }
 
 // ---------------------------------------------------------------------------------------------
