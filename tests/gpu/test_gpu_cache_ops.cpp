@@ -296,7 +296,7 @@ void run_table_case(const TableCase& c, Launch launch = Launch::kDefaultStream) 
   for (int64_t b : c.negative_slot) r2t_buf.i32(rows[size_t(b)] * r2t_row) = -5;
 
   // The device sees the bad values; the CPU sees valid ones and its result for those rows (or
-  // entries) is replaced by the poison the device must leave in place.
+  // entries) is replaced by the -1 the device must write there.
   std::vector<int64_t> d_req_index = req_index, d_seq_len = seq_len;
   const int64_t idx_max = c.index_dtype == DType::kInt32 ? INT32_MAX : INT64_MAX;
   const int64_t len_max = c.seq_len_dtype == DType::kInt32 ? INT32_MAX : INT64_MAX;
@@ -353,8 +353,8 @@ void run_table_case(const TableCase& c, Launch launch = Launch::kDefaultStream) 
   MLA_TEST_CUDA(cudaDeviceSynchronize());
   d_table.download();
 
-  // Expected table written out here: page ids, then -1; padding columns and untouched (bad)
-  // rows / entries keep the poison.
+  // Expected table written out here: page ids, then -1; bad rows and entries -1 (never the
+  // poison an earlier call left); padding columns keep the poison.
   HostTensor expected(DType::kInt32, {B, std::max<int64_t>(table_row, 1)});
   for (int64_t i = 0; i < expected.numel(); ++i) expected.i32(i) = kTablePoison;
   HostTensor cpu_masked = table_cpu;
@@ -365,8 +365,8 @@ void run_table_case(const TableCase& c, Launch launch = Launch::kDefaultStream) 
     for (int64_t j = 0; j < max_blocks; ++j) {
       int32_t v = j < num_blocks ? r2t_buf.i32(req_index[size_t(b)] * r2t_row + j * S) / int32_t(S) : -1;
       if (bad_row || (bad_first && j == 0)) {
-        v = kTablePoison;
-        cpu_masked.i32(b * table_row + j) = kTablePoison;
+        v = -1;
+        cpu_masked.i32(b * table_row + j) = -1;
       }
       expected.i32(b * table_row + j) = v;
     }
@@ -403,7 +403,7 @@ TEST(GpuBuildBlockTable, WideTablesUseTheGridStrideLoop) {
   run_table_case({2, {20001, 1, 2}, 0, DType::kInt32, DType::kInt64, 9, 42, {}, {}});
 }
 
-TEST(GpuBuildBlockTable, BadIndicesLeaveEntriesUntouchedOnTheDevice) {
+TEST(GpuBuildBlockTable, BadIndicesWriteMinusOneOnTheDevice) {
   MLA_REQUIRE_GPU();
   for (int S : {1, 8, 128}) {
     std::vector<int64_t> lens;

@@ -6,12 +6,14 @@
 // req_to_token reads are a strided gather (one token slot per page).
 //
 // Device-side index handling (no host sync, so no exception): the CPU path throws on each case
-// below; here nothing out of bounds is read or written instead:
+// below; here nothing out of bounds is read or written, and no entry keeps what an earlier call
+// wrote there (which would hand this request another request's pages):
 //   * req_pool_indices[b] outside [0, R), seq_lens[b] < 0, or seq_lens[b] > min(max_blocks * S,
-//     req_to_token.shape[1]): row b of the block table is left untouched;
-//   * a negative token slot req_to_token[r, j * S]: entry (b, j) is left untouched.
+//     req_to_token.shape[1]): every entry of row b is -1 (decode then reads no key of it);
+//   * a negative token slot req_to_token[r, j * S]: entry (b, j) is -1.
 //
-// History: v1 (this version) — one thread per table entry, grid-stride over requests and columns.
+// History: v1 — one thread per table entry, grid-stride over requests and columns; bad rows and
+// slots left untouched. v2 (this version) — bad rows and slots written -1.
 #include "cuda/common/elementwise.cuh"
 #include "cuda/cuda_ops.hpp"
 
@@ -43,18 +45,19 @@ __global__ void __launch_bounds__(128) build_block_table_kernel(const __grid_con
     const int64_t req = load_index(p.req_pool_indices, p.req_pool_indices_int64,
                                    p.req_pool_indices_stride, b);
     const int64_t seq_len = load_index(p.seq_lens, p.seq_lens_int64, p.seq_lens_stride, b);
-    if (req < 0 || req >= p.num_req_slots || seq_len < 0 || seq_len > max_len) continue;
-    const int64_t num_blocks = (seq_len + page_size - 1) >> p.page_shift;
-    const int* token_slots = p.req_to_token + req * p.req_to_token_stride;
+    const bool bad_row = req < 0 || req >= p.num_req_slots || seq_len < 0 || seq_len > max_len;
+    // A bad row has no pages: all of it is written -1.
+    const int64_t num_blocks = bad_row ? 0 : (seq_len + page_size - 1) >> p.page_shift;
+    const int* token_slots = p.req_to_token + (bad_row ? 0 : req) * p.req_to_token_stride;
     int* row = p.block_table + b * p.block_table_stride;
     for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < p.max_blocks;
          j += int64_t(gridDim.x) * blockDim.x) {
-      if (j >= num_blocks) {
-        row[j] = -1;
-        continue;
+      int page = -1;
+      if (j < num_blocks) {
+        const int slot = __ldg(token_slots + (j << p.page_shift));
+        if (slot >= 0) page = slot >> p.page_shift;
       }
-      const int slot = __ldg(token_slots + (j << p.page_shift));
-      if (slot >= 0) row[j] = slot >> p.page_shift;
+      row[j] = page;
     }
   }
 }
