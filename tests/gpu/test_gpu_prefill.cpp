@@ -539,6 +539,71 @@ TEST(MhaPrefillGpu, TooSmallMaxQLenPoisonsUncoveredRows) {
   EXPECT_TRUE(all_close(lse_gpu.to_float(), e.lse, kLseTolerance.atol, kLseTolerance.rtol));
 }
 
+// Offsets on the device are not checked on the host: the kernel clamps them to [0, Tq] / [0, Tk]
+// (a request whose end precedes its start has no rows). Each case's rows come out as attention
+// over the clamped geometry, rows no request covers keep their NaN poison, and nothing is read or
+// written outside the tensors (compute-sanitizer's memcheck runs this test).
+TEST(MhaPrefillGpu, BadDeviceOffsetsAreClampedToTheTensors) {
+  MLA_REQUIRE_GPU();
+  PrefillCase c;
+  c.q_lens = {3, 4};   // Tq 7
+  c.kv_lens = {5, 4};  // Tk 9
+  c.heads = 2;
+  PrefillBuffers buf;
+  make_buffers(c, buf);
+  constexpr int32_t kMax = INT32_MAX;
+  struct Geometry {
+    int64_t q_first, q_len, kv_first, kv_len;
+  };
+  struct BadCase {
+    std::vector<int32_t> cu_q, cu_kv;
+    std::vector<Geometry> expected;  // what the clamps make of each request
+  };
+  const std::vector<BadCase> cases = {
+      {{0, 3, 1 << 30}, {0, 5, 1 << 30}, {{0, 3, 0, 5}, {3, 4, 5, 4}}},  // ends past T
+      {{0, -5, 7}, {0, 5, 9}, {{0, 0, 0, 5}, {0, 7, 5, 4}}},            // negative offset
+      {{0, 3, 7}, {0, kMax, -1}, {{0, 3, 0, 9}, {3, 4, 9, 0}}},         // no keys left
+      {{-100, 3, 2}, {-3, 5, 9}, {{0, 3, 0, 5}, {3, 0, 5, 4}}},         // end before start
+  };
+  const Tolerance tol = out_tolerance(c.in, c.out);
+  DeviceTensor d_q(buf.q), d_k(buf.k), d_v(buf.v);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const BadCase& bad = cases[i];
+    HostTensor cu_q = int32_tensor(bad.cu_q), cu_kv = int32_tensor(bad.cu_kv);
+    HostTensor out = buf.out, lse = buf.lse;  // NaN
+    DeviceTensor d_cu_q(cu_q), d_cu_kv(cu_kv), d_out(out), d_lse(lse);
+    MhaPrefillArgs a = buf.args;
+    a.q = d_q.view();
+    a.k = d_k.view();
+    a.v = d_v.view();
+    a.cu_q_lens = d_cu_q.view();
+    a.cu_kv_lens = d_cu_kv.view();
+    a.out = d_out.view();
+    a.lse = d_lse.view();
+    a.max_q_len = 7;
+    a.max_kv_len = 9;
+    ASSERT_NO_THROW(mla::mha_prefill(a)) << "case " << i;
+    MLA_TEST_CUDA(cudaDeviceSynchronize());
+    d_out.download();
+    d_lse.download();
+
+    Expected e;
+    e.out.assign(size_t(out.numel()), kNaN);
+    e.lse.assign(size_t(lse.numel()), kNaN);
+    for (const Geometry& g : bad.expected)
+      for (int64_t r = 0; r < g.q_len; ++r)
+        for (int64_t h = 0; h < c.heads; ++h) {
+          double row[kVDim];
+          const double row_lse = naive_row(buf.args, g.q_first, g.q_len, g.kv_first, g.kv_len, r, h, row);
+          std::copy(row, row + kVDim, e.out.begin() + offset_of(buf.args.out, g.q_first + r, h));
+          e.lse[size_t(offset_of(buf.args.lse, g.q_first + r, h))] = row_lse;
+        }
+    EXPECT_TRUE(all_close(out.to_float(), e.out, tol.atol, tol.rtol)) << "out, case " << i;
+    EXPECT_TRUE(all_close(lse.to_float(), e.lse, kLseTolerance.atol, kLseTolerance.rtol))
+        << "lse, case " << i;
+  }
+}
+
 TEST(MhaPrefillGpu, BadArgumentsThrow) {
   MLA_REQUIRE_GPU();
   PrefillCase c;

@@ -12,6 +12,7 @@ namespace {
 
 constexpr const char* kOp = "mha_prefill";
 constexpr double kLog2e = 1.4426950408889634074;
+constexpr int64_t kMaxTokens = INT32_MAX - 64;
 
 // The kernel copies 16-byte chunks: the base pointer and every token and head step must keep
 // rows 16-byte aligned.
@@ -50,6 +51,10 @@ void mha_prefill(const MhaPrefillArgs& args, Stream stream) {
   MLA_CHECK(num_requests <= 65535, kOp, ": at most 65535 requests per call on the GPU, got ",
             num_requests, " (cu_q_lens ", args.cu_q_lens.describe(), ")");
   MLA_CHECK(num_heads <= 65535, kOp, ": at most 65535 heads on the GPU, got ", num_heads);
+  // Row indices within a request are 32-bit with a tile of headroom.
+  const int64_t num_kv_tokens = args.k.shape[0];
+  MLA_CHECK(num_q_tokens <= kMaxTokens && num_kv_tokens <= kMaxTokens, kOp, ": at most ", kMaxTokens,
+            " query and key tokens per call on the GPU, got ", num_q_tokens, " and ", num_kv_tokens);
   check_rows_aligned("q", args.q);
   check_rows_aligned("k", args.k);
   check_rows_aligned("v", args.v);
@@ -73,6 +78,8 @@ void mha_prefill(const MhaPrefillArgs& args, Stream stream) {
   p.out_head_stride = args.out.stride[1];
   p.lse_token_stride = args.lse.empty() ? 0 : args.lse.stride[0];
   p.lse_head_stride = args.lse.empty() ? 0 : args.lse.stride[1];
+  p.num_q_tokens = int32_t(num_q_tokens);
+  p.num_kv_tokens = int32_t(num_kv_tokens);
   p.num_heads = int32_t(num_heads);
   p.num_requests = int32_t(num_requests);
   p.causal = args.causal;

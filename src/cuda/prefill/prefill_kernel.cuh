@@ -205,10 +205,12 @@ __global__ void __launch_bounds__(PrefillConfig::kThreads, 2)
   const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);
   const int h = blockIdx.y;  // head
   const int b = blockIdx.z;  // request
-  const int q_begin = p.cu_q_lens[b];
-  const int q_len = p.cu_q_lens[b + 1] - q_begin;
-  const int kv_begin = p.cu_kv_lens[b];
-  const int kv_len = p.cu_kv_lens[b + 1] - kv_begin;
+  // The offsets are device data nobody checked: clamped to the tensors' rows, so a bad value
+  // reads and writes within them (a request whose end precedes its start has no rows).
+  const int q_begin = min(max(p.cu_q_lens[b], 0), p.num_q_tokens);
+  const int q_len = min(max(p.cu_q_lens[b + 1], q_begin), p.num_q_tokens) - q_begin;
+  const int kv_begin = min(max(p.cu_kv_lens[b], 0), p.num_kv_tokens);
+  const int kv_len = min(max(p.cu_kv_lens[b + 1], kv_begin), p.num_kv_tokens) - kv_begin;
   if (blockIdx.x == 0 && q_len > int(gridDim.x) * C::kBlockM)
     poison_uncovered_rows(p, q_begin, int(gridDim.x) * C::kBlockM, q_len, h);
   const int row0 = m_block * C::kBlockM;  // first query row of this tile, within the request

@@ -29,6 +29,8 @@ struct MhaPrefillParams {
   int64_t out_token_stride, out_head_stride;
   int64_t lse_token_stride, lse_head_stride;
 
+  int32_t num_q_tokens;   // Tq: cu_q_lens are clamped to [0, Tq]
+  int32_t num_kv_tokens;  // Tk: cu_kv_lens are clamped to [0, Tk]
   int32_t num_heads;      // H (grid y)
   int32_t num_requests;   // B (grid z)
   bool causal;            // bottom-right aligned: query i sees keys <= kv_len - q_len + i
