@@ -14,8 +14,9 @@
 // what the op must not write must stay NaN. Covered: NeoX and interleaved, bf16/fp16/fp32 inputs,
 // bf16/fp16/fp8 query and key outputs (also different ones), no k, heads 1/12/16/24/96/128,
 // T = 0, 1 and odd, int32/int64 positions, fused-buffer (strided, 16-byte aligned) and misaligned
-// layouts, a launch large enough for the grid-stride loop, out-of-range positions (skipped on
-// the device), a non-blocking stream and capture into a CUDA graph.
+// layouts, a launch large enough for the grid-stride loop, out-of-range positions (their rows
+// start finite on the device and must come out NaN), a non-blocking stream and capture into a
+// CUDA graph.
 #include <algorithm>
 #include <numeric>
 
@@ -196,6 +197,18 @@ void run_rope_case(const RopeCase& c, Launch launch = Launch::kDefaultStream) {
     d_positions[t] = bad_values[size_t(i) % 4];
     bad_token[t] = true;
   }
+  // The rows of a bad position start finite on the device (what an earlier step left there): the
+  // op must overwrite them with NaN, not leave them.
+  for (PlacedTensor* p : {q_out.get(), k_nope_out.get(), k_pe_out.get()}) {
+    if (p != q_out.get() && !with_k) continue;  // no k outputs: their buffers must stay poison
+    const bool heads = p->shape.size() == 3;
+    for (int64_t t = 0; t < T; ++t) {
+      if (!bad_token[size_t(t)]) continue;
+      for (int64_t h = 0; h < (heads ? p->shape[1] : 1); ++h)
+        for (int64_t d = 0; d < p->shape.back(); ++d) p->gpu.set(heads ? p->at(t, h, d) : p->at(t, d), 1.0f);
+    }
+    p->device->upload();
+  }
   HostTensor pos_cpu = mla::test::index_tensor(c.pos_dtype, positions);
   HostTensor pos_gpu = mla::test::index_tensor(c.pos_dtype, d_positions);
   DeviceTensor d_pos(pos_gpu);
@@ -258,7 +271,7 @@ void run_rope_case(const RopeCase& c, Launch launch = Launch::kDefaultStream) {
     const bool heads = out.shape.size() == 3;
     const int64_t H_out = heads ? out.shape[1] : 1;
     const int64_t width = out.shape.back();
-    // 0: not part of the view (padding), 1: nope value, 2: rope value; -1: a skipped token's.
+    // 0: not part of the view (padding), 1: nope value, 2: rope value; -1: a bad position's.
     std::vector<int8_t> role(size_t(out.cpu.numel()), 0);
     if (present)
       for (int64_t t = 0; t < T; ++t)
@@ -283,7 +296,7 @@ void run_rope_case(const RopeCase& c, Launch launch = Launch::kDefaultStream) {
           ok = same_bits || std::fabs(g - r) <= ulp.atol + ulp.rtol * std::fabs(r);
           break;
         }
-        case -1: ok = std::isnan(out.gpu.get(i)); break;  // skipped: still poison
+        case -1: ok = std::isnan(out.gpu.get(i)); break;  // a bad position's: NaN written
         default: ok = same_bits; break;                  // nope values and padding: exact
       }
       if (!ok && bad++ < 8)
@@ -391,7 +404,7 @@ TEST(GpuRopeQuantize, LargeLaunchUsesTheGridStrideLoop) {
                  DType::kInt32, Layout::kContiguous, 0, 8});
 }
 
-TEST(GpuRopeQuantize, OutOfRangePositionsAreSkippedOnTheDevice) {
+TEST(GpuRopeQuantize, OutOfRangePositionsGiveNaNRowsOnTheDevice) {
   MLA_REQUIRE_GPU();
   for (DType pos : {DType::kInt32, DType::kInt64}) {
     run_rope_case({DType::kBF16, DType::kFP8E4M3, DType::kFP8E4M3, RopeStyle::kNeox, 16, 13, pos,

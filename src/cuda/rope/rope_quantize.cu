@@ -15,10 +15,12 @@
 // aligned, element by element otherwise.
 //
 // Device-side index handling (no host sync, so no exception): a token whose position is outside
-// [0, max_position) is skipped: its query rows and key row are left untouched. (The CPU path
-// throws.)
+// [0, max_position) reads no input and no cos/sin row; its query rows and key row are written NaN,
+// so that attention over them shows the bad position instead of running on stale values. (The
+// CPU path throws.)
 //
-// History: v1 (this version) — chunk-per-thread, 16-byte vector I/O, no fma contraction.
+// History: v1 — chunk-per-thread, 16-byte vector I/O, no fma contraction; a bad position's rows
+// left untouched. v2 (this version) — a bad position's rows written NaN.
 #include "cuda/common/elementwise.cuh"
 #include "cuda/cuda_ops.hpp"
 
@@ -63,9 +65,18 @@ __global__ void __launch_bounds__(256) rope_quantize_kernel(const __grid_constan
     const int64_t t = row / p.num_heads;   // token
     const int64_t h = row % p.num_heads;   // head
     const int64_t pos = load_index(p.positions, p.positions_int64, p.positions_stride, t);
-    if (pos < 0 || pos >= p.max_position) continue;
-
     float values[kChunk];
+    if (pos < 0 || pos >= p.max_position) {
+#pragma unroll
+      for (int k = 0; k < kChunk; ++k) values[k] = __int_as_float(0x7fffffff);  // NaN (fp8: NaN too)
+      OutT* dst = c < kNopeChunks
+          ? static_cast<OutT*>(p.nope_out) + t * p.nope_out_stride_t + h * p.nope_out_stride_h + c * kChunk
+          : static_cast<OutT*>(p.pe_out) + t * p.pe_out_stride_t + h * p.pe_out_stride_h +
+                (c - kNopeChunks) * kChunk;
+      store_chunk<OutT, kChunk>(dst, p.vectorised, values);
+      continue;
+    }
+
     if (c < kNopeChunks) {
       const InT* src = static_cast<const InT*>(p.nope_in) + t * p.nope_in_stride_t +
                        h * p.nope_in_stride_h + c * kChunk;
