@@ -51,7 +51,10 @@ void append_latent_kv(const AppendLatentKvArgs& args, Stream stream = nullptr);
 // ---------------------------------------------------------------------------------------------
 // 2. build_block_table: block_table[b, j] = req_to_token[req_pool_indices[b], j * S] / S for
 //    j < ceil(seq_lens[b] / S), and -1 for the rest of the row.
-//    seq_lens[b] must be <= max_blocks * S and <= req_to_token.shape[1].
+//    seq_lens[b] must be <= max_blocks * S and <= req_to_token.shape[1]. The CPU path throws on a
+//    bad index or length; the GPU path, which cannot report without a host sync, writes -1 over
+//    the whole row of a bad request and over the entry of a negative token slot (never leaving
+//    what an earlier call wrote there).
 struct BuildBlockTableArgs {
   TensorView req_to_token;      // [R, max_context_len] int32
   TensorView req_pool_indices;  // [B] int32 or int64, each in [0, R)
@@ -69,6 +72,8 @@ void build_block_table(const BuildBlockTableArgs& args, Stream stream = nullptr)
 //    cos_sin_cache[pos] holds 32 cos values then 32 sin values (fp32).
 //    NeoX: pairs (i, i + 32); interleaved (GPT-J): pairs (2i, 2i + 1). For pair (x1, x2) with
 //    angle index i: x1' = x1 cos_i - x2 sin_i, x2' = x2 cos_i + x1 sin_i.
+//    A position outside [0, max_position) throws on the CPU; on the GPU that token's query rows
+//    and key row are written NaN.
 enum class RopeStyle : uint8_t { kNeox, kInterleaved };
 struct RopeQuantizeArgs {
   TensorView q_nope;         // [T, H, 512] bf16/fp16/fp32, inner stride 1
@@ -152,6 +157,10 @@ const char* mla_decode_kernel_name(const MlaDecodeArgs& args);
 //    cu_kv_lens[b+1]). Causal is bottom-right aligned: query i of a request with q_len and kv_len
 //    sees keys 0 .. kv_len - q_len + i. Rows that see no key output 0 with lse -inf.
 //    score = (q · k) * softmax_scale * q_scale * k_scale; out = softmax(score) · v * v_scale.
+//    The CPU path checks the offsets and throws. On the GPU they are device data read by the
+//    kernel: each is clamped to [0, Tq] / [0, Tk] (a request whose end precedes its start has no
+//    rows), so a bad one never reads or writes outside the tensors, and a request's rows past
+//    max_q_len come out NaN.
 struct MhaPrefillArgs {
   TensorView q;            // [Tq, H, 192] bf16/fp16/fp8e4m3, inner stride 1
   TensorView k;            // [Tk, H, 192] same dtype as q
