@@ -145,6 +145,15 @@ struct MlaDecodeArgs {
   // a key on a page id outside [0, P) as zeros, never out of bounds. It synchronises the stream,
   // so it is refused while the stream is being captured into a CUDA graph.
   bool check_metadata = false;
+  // Deterministic mode (DESIGN §5): each request's output and LSE rows are bit-identical whatever
+  // the other requests of the batch, its place in it, the batch size and max_q_len, and on every
+  // run, for given heads, dtypes, page size and device. On the GPU every request's rows are cut
+  // into tiles of 64 rows (also where fewer rows would fit a narrower tile), each tile's keys are
+  // attended by one thread block in order (no split-KV: `schedule` must be null), and kAuto picks
+  // the kernel from everything but the batch size. Slower where splitting pays (few requests
+  // with long contexts); as fast at large batches, where the plan keeps units whole anyway. The
+  // CPU path is deterministic in either mode.
+  bool deterministic = false;
 };
 void mla_decode(const MlaDecodeArgs& args, Stream stream = nullptr);
 // The kernel mla_decode runs for these arguments: "cpu", "sm80-mma" (portable) or "sm90-wgmma"

@@ -115,6 +115,9 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
             " (only the CPU derives it from cu_q_lens)");
   MLA_CHECK(batch > 0 || num_tokens == 0, op, ": ", q_name, " has ", num_tokens,
             " tokens but block_table has no requests");
+  MLA_CHECK(!args.deterministic || args.schedule == nullptr, op,
+            ": deterministic = true runs every request unsplit, so it takes no schedule (a "
+            "split-KV schedule's cuts depend on the whole batch); pass schedule = nullptr");
   if (batch == 0 || num_tokens == 0) return;
   detail::run_on(op, device, [&] { cpu::mla_decode(args); },
                  [&] {

@@ -11,6 +11,7 @@
 
 #include "attention_reference.hpp"
 #include "mla/ops.hpp"
+#include "mla/schedule.hpp"
 #include "test_util.hpp"
 
 namespace mla::test {
@@ -768,6 +769,21 @@ TEST_F(MlaDecodeErrors, Devices) {
   for (TensorView* t : {&a.q, &a.kv_cache, &a.block_table, &a.kv_lens, &a.cu_q_lens, &a.out, &a.lse})
     t->device = Device::cuda(0);
   EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"max_q_len must be given"}));
+}
+
+TEST_F(MlaDecodeErrors, DeterministicModeTakesNoSchedule) {
+  // The CPU path is deterministic in either mode: the same bits with the flag.
+  auto a = args();
+  const std::vector<float> out = gather_floats(a.out);
+  a.deterministic = true;
+  ASSERT_NO_THROW(mla_decode(a));
+  EXPECT_EQ(gather_floats(a.out), out);
+  // A split-KV schedule's cuts depend on the whole batch: refused with the flag, on every device.
+  DecodeSchedule schedule;
+  a.schedule = &schedule;
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"mla_decode", "deterministic", "schedule"}));
+  a.deterministic = false;
+  EXPECT_NO_THROW(mla_decode(a));  // the CPU ignores a schedule
 }
 
 }  // namespace

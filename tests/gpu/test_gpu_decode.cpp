@@ -109,6 +109,7 @@ struct DecodeCase {
   int extra_pages = 3;         // pages no request uses
   uint64_t seed = 1;
   DecodeKernel kernel = DecodeKernel::kAuto;
+  bool deterministic = false;  // MlaDecodeArgs::deterministic (needs use_schedule = false)
 
   int batch() const { return int(kv_lens.size()); }
   int num_tokens() const { return std::accumulate(q_lens.begin(), q_lens.end(), 0); }
@@ -333,6 +334,7 @@ MlaDecodeArgs make_args(const DecodeData& d, Device dev, void* q, void* q_pe, vo
   a.q_scale = c.q_scale;
   a.k_scale = c.k_scale;
   a.kernel = c.kernel;
+  a.deterministic = c.deterministic;
   a.out = TensorView::strided(out, c.out_dtype, {d.T, d.H, kVDim}, {d.out_stride_t, d.out_stride_h, 1}, dev);
   if (c.with_lse)
     a.lse = TensorView::strided(lse, DType::kFP32, {d.T, d.H}, {d.lse_stride_t, d.lse_stride_h}, dev);
@@ -657,6 +659,96 @@ TEST(GpuDecode, RepeatedRunsAreBitIdentical) {
   const DecodeResult a = run_gpu(d), b = run_gpu(d);
   EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)));
+}
+
+// The requests `which` of `d` (in that order) as a batch of their own: same queries, same pool
+// and pages (block-table rows copied), fresh NaN-poisoned outputs. Needs q and out unpadded.
+DecodeData sub_batch(const DecodeData& d, const std::vector<int>& which) {
+  if (d.c.split_q || d.c.q_pad != 0 || d.c.out_pad != 0) throw std::runtime_error("sub_batch: unpadded q and out only");
+  DecodeData s = d;
+  s.c.kv_lens.clear();
+  s.c.q_lens.clear();
+  for (int b : which) {
+    s.c.kv_lens.push_back(d.c.kv_lens[size_t(b)]);
+    s.c.q_lens.push_back(d.c.q_lens[size_t(b)]);
+  }
+  s.B = int64_t(which.size());
+  s.T = s.c.num_tokens();
+  s.q_start.assign(size_t(s.B) + 1, 0);
+  for (int64_t i = 0; i < s.B; ++i) s.q_start[size_t(i) + 1] = s.q_start[size_t(i)] + s.c.q_lens[size_t(i)];
+  const int64_t row = d.H * kDim;  // q elements a token
+  s.q_logical = HostTensor(d.c.q_dtype, {std::max<int64_t>(1, s.T), d.H, kDim});
+  s.block_table = HostTensor(DType::kInt32, {s.B, d.max_blocks});
+  const size_t qe = dtype_size(d.c.q_dtype);
+  for (int64_t i = 0; i < s.B; ++i) {
+    const int b = which[size_t(i)];
+    std::memcpy(static_cast<unsigned char*>(s.q_logical.data()) + size_t(s.q_start[size_t(i)] * row) * qe,
+                static_cast<const unsigned char*>(d.q_logical.data()) + size_t(d.q_start[size_t(b)] * row) * qe,
+                size_t(s.c.q_lens[size_t(i)] * row) * qe);
+    for (int64_t j = 0; j < d.max_blocks; ++j)
+      s.block_table.i32(i * d.max_blocks + j) = d.block_table.i32(b * d.max_blocks + j);
+  }
+  s.q_buf = s.q_logical;
+  s.q_stride_h = kDim;
+  s.q_stride_t = row;
+  s.kv_lens = int32_tensor(std::vector<int32_t>(s.c.kv_lens.begin(), s.c.kv_lens.end()));
+  s.cu_q_lens = int32_tensor(std::vector<int32_t>(s.q_start.begin(), s.q_start.end()));
+  s.out_stride_h = kVDim;
+  s.out_stride_t = d.H * kVDim;
+  s.out_buf = HostTensor(d.c.out_dtype, {std::max<int64_t>(1, s.T * s.out_stride_t)});
+  s.out_buf.fill_nan();
+  s.lse_stride_h = 1;
+  s.lse_stride_t = d.H;
+  s.lse_buf = HostTensor(DType::kFP32, {std::max<int64_t>(1, s.T * d.H)});
+  s.lse_buf.fill_nan();
+  return s;
+}
+
+// Deterministic mode: one request's rows are bit-identical alone, first or last in a small batch,
+// and inside a batch of 40 (past kAuto's batch rule of 32 for 16 rows, with a larger max_q_len
+// that would pick wider tiles), and from run to run; the batch is also checked against the
+// float64 reference.
+TEST(GpuDecodeDeterministic, RequestBitsDoNotDependOnTheBatch) {
+  MLA_REQUIRE_GPU();
+  for (int heads : {16, 128}) {
+    for (DecodeKernel kernel : {DecodeKernel::kAuto, DecodeKernel::kPortable}) {
+      DecodeCase c;
+      c.num_heads = heads;
+      c.page_size = 64;
+      c.use_cu_q_lens = true;
+      c.use_schedule = false;
+      c.deterministic = true;
+      c.kernel = kernel;
+      c.seed = uint64_t(27000 + heads + int(kernel));
+      std::mt19937_64 rng(c.seed);
+      for (int b = 0; b < 40; ++b) {
+        c.kv_lens.push_back(b == 5 ? 3001 : int(rng() % 2500));
+        c.q_lens.push_back(b == 5 ? 1 : 1 + int(rng() % 4));
+      }
+      c.kv_lens[7] = 0;
+      SCOPED_TRACE(describe(c));
+      const DecodeData d = make_data(c);
+      const DecodeResult whole = run_gpu(d);
+      expect_matches(d, whole, reference(d));
+      const DecodeResult again = run_gpu(d);
+      EXPECT_EQ(0, std::memcmp(whole.out.data(), again.out.data(), whole.out.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(whole.lse.data(), again.lse.data(), whole.lse.size() * sizeof(float)));
+
+      const size_t out_row = size_t(heads) * kVDim;
+      const float* target_out = whole.out.data() + size_t(d.q_start[5]) * out_row;
+      const float* target_lse = whole.lse.data() + size_t(d.q_start[5]) * size_t(heads);
+      const std::vector<std::vector<int>> batches = {{5}, {5, 0, 1}, {0, 7, 2, 5}};
+      for (const std::vector<int>& which : batches) {
+        const DecodeData part = sub_batch(d, which);
+        const DecodeResult r = run_gpu(part);
+        const size_t at = size_t(std::find(which.begin(), which.end(), 5) - which.begin());
+        const size_t t0 = size_t(part.q_start[at]);
+        SCOPED_TRACE("a batch of " + std::to_string(which.size()) + ", the request at " + std::to_string(at));
+        EXPECT_EQ(0, std::memcmp(r.out.data() + t0 * out_row, target_out, out_row * sizeof(float)));
+        EXPECT_EQ(0, std::memcmp(r.lse.data() + t0 * size_t(heads), target_lse, size_t(heads) * sizeof(float)));
+      }
+    }
+  }
 }
 
 TEST(GpuDecode, MatchesCpuImplementation) {

@@ -93,7 +93,8 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 #endif
 }
 
-// kAuto's choice. From 17 query rows a request on, the Hopper kernel. At 16 rows or fewer (16
+// kAuto's choice. With `deterministic`, the Hopper kernel wherever it applies. Otherwise, from
+// 17 query rows a request on, the Hopper kernel. At 16 rows or fewer (16
 // heads, one query; its narrow consumers) it streams the cache faster but starts slower. On an
 // H200, against the portable kernel: faster from a batch of 32 requests on (B 32 kv 4k -5 %,
 // B 48 kv 4k -12 %, B 64 kv 4k -10 %, B 128 kv 16k -17 %, B 256 kv 1k -7 %; B 32 kv 1k +5 %),
@@ -110,6 +111,8 @@ bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
             "mla_decode: kernel = DecodeKernel::kHopper, but ", why);
   if (!why.empty()) return false;
   if (args.kernel == DecodeKernel::kHopper) return true;
+  // Deterministic: one kernel whatever the batch size (its 64-row tiles, unsplit).
+  if (args.deterministic) return true;
   const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;
   const int64_t max_q_len = args.cu_q_lens.empty() ? args.q_len : args.max_q_len;
   return int64_t(max_q_len) * (q_main.ndim >= 2 ? q_main.shape[1] : 1) >= kHopperMinRows ||
@@ -274,7 +277,9 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
     p.lse_stride_h = args.lse.stride[1];
   }
 
-  const int block_m = block_m_for_rows(int64_t(max_q_len) * num_heads);
+  // Deterministic: 64-row tiles whatever max_q_len, so a request's tiles (and so its bits) do
+  // not depend on the other requests' query counts.
+  const int block_m = args.deterministic ? 64 : block_m_for_rows(int64_t(max_q_len) * num_heads);
   const int64_t tiles_per_request = (int64_t(max_q_len) * num_heads + block_m - 1) / block_m;
   p.tiles_per_request = int(tiles_per_request);
   int grid = 0;
