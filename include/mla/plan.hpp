@@ -93,8 +93,13 @@ struct PrefixChunk {
 
 // Cuts the request-major prefix order into chunks of chunk_capacity (> 0) tokens. Empty when
 // every prefix length is 0.
+// deterministic: a request's prefix is cut only at multiples of chunk_capacity of its own
+// positions, and a chunk (still at most chunk_capacity tokens, one contiguous range of the
+// packed order) holds at most one such piece of each request. A request then meets the same
+// pieces in the same order whatever the other requests, so its merged attention has the same
+// bits; the price is more chunks (up to one a piece) where short prefixes do not pack.
 std::vector<PrefixChunk> split_prefix_into_chunks(std::span<const int32_t> prefix_lens,
-                                                  int64_t chunk_capacity);
+                                                  int64_t chunk_capacity, bool deterministic = false);
 
 struct ExtendPlan {
   std::vector<int32_t> extend_lens;  // [B] new tokens per request (host)
@@ -113,9 +118,12 @@ struct ExtendPlan {
 };
 
 // The host part of an EXTEND plan. Lengths must be >= 0; throws mla::Error naming the argument.
+// deterministic: deterministic chunks (above), and kAuto takes the chunked path (its rule
+// depends on the whole batch).
 ExtendPlan plan_extend_lengths(std::span<const int32_t> prefix_lens,
                                std::span<const int32_t> extend_lens, int64_t chunk_capacity,
-                               ExtendPrefixPath path, int64_t absorbed_max_extend_len);
+                               ExtendPrefixPath path, int64_t absorbed_max_extend_len,
+                               bool deterministic = false);
 
 // ---------------------------------------------------------------------------------------------
 // The plan of one batch.

@@ -69,7 +69,7 @@ bool use_absorbed_extend(std::span<const int32_t> prefix_lens, std::span<const i
 }
 
 std::vector<PrefixChunk> split_prefix_into_chunks(std::span<const int32_t> prefix_lens,
-                                                  int64_t chunk_capacity) {
+                                                  int64_t chunk_capacity, bool deterministic) {
   constexpr const char* op = "split_prefix_into_chunks";
   MLA_CHECK(chunk_capacity > 0, op, ": chunk_capacity must be > 0, got ", chunk_capacity);
   const size_t batch = prefix_lens.size();
@@ -80,9 +80,32 @@ std::vector<PrefixChunk> split_prefix_into_chunks(std::span<const int32_t> prefi
     offset[b + 1] = offset[b] + prefix_lens[b];
   }
   const int64_t total = offset[batch];
+
+  // Where the chunks end in the packed order. Deterministic: a request's prefix is cut only at
+  // multiples of the capacity in its own positions (pieces), and pieces are packed whole, in
+  // order, while they fit. Every piece but a request's last is a whole capacity, so a chunk holds
+  // at most one piece of a request, and each request meets the same pieces, merged in the same
+  // order, whatever the other requests.
+  std::vector<int64_t> ends;
+  if (!deterministic) {
+    for (int64_t first = 0; first < total; first += chunk_capacity)
+      ends.push_back(std::min(total, first + chunk_capacity));
+  } else {
+    int64_t chunk_first = 0;
+    for (size_t b = 0; b < batch; ++b)
+      for (int64_t piece = offset[b]; piece < offset[b + 1]; piece += chunk_capacity) {
+        const int64_t piece_end = std::min(offset[b + 1], piece + chunk_capacity);
+        if (piece > chunk_first && piece_end - chunk_first > chunk_capacity) {
+          ends.push_back(piece);
+          chunk_first = piece;
+        }
+      }
+    if (total > chunk_first) ends.push_back(total);
+  }
+
   std::vector<PrefixChunk> chunks;
-  for (int64_t first = 0; first < total; first += chunk_capacity) {
-    const int64_t last = std::min(total, first + chunk_capacity);  // exclusive
+  int64_t first = 0;
+  for (const int64_t last : ends) {  // [first, last) of the packed order
     PrefixChunk chunk;
     chunk.first_token = first;
     chunk.num_tokens = last - first;
@@ -99,13 +122,15 @@ std::vector<PrefixChunk> split_prefix_into_chunks(std::span<const int32_t> prefi
       chunk.has_empty_rows = chunk.has_empty_rows || chunk.kv_lens[b] == 0;
     }
     chunks.push_back(std::move(chunk));
+    first = last;
   }
   return chunks;
 }
 
 ExtendPlan plan_extend_lengths(std::span<const int32_t> prefix_lens,
                                std::span<const int32_t> extend_lens, int64_t chunk_capacity,
-                               ExtendPrefixPath path, int64_t absorbed_max_extend_len) {
+                               ExtendPrefixPath path, int64_t absorbed_max_extend_len,
+                               bool deterministic) {
   constexpr const char* op = "plan_extend_lengths";
   MLA_CHECK(prefix_lens.size() == extend_lens.size(), op, ": prefix_lens has ", prefix_lens.size(),
             " entries but extend_lens has ", extend_lens.size());
@@ -129,8 +154,10 @@ ExtendPlan plan_extend_lengths(std::span<const int32_t> prefix_lens,
     plan.max_seq_len = std::max(plan.max_seq_len, int(seq_len));
   }
   plan.num_tokens = plan.cu_q_lens[batch];
+  // Deterministic: kAuto's choice depends on the whole batch, so it becomes the chunked path.
+  if (deterministic && path == ExtendPrefixPath::kAuto) path = ExtendPrefixPath::kChunked;
   plan.use_absorbed = use_absorbed_extend(prefix_lens, extend_lens, path, absorbed_max_extend_len);
-  plan.chunks = split_prefix_into_chunks(prefix_lens, chunk_capacity);
+  plan.chunks = split_prefix_into_chunks(prefix_lens, chunk_capacity, deterministic);
   return plan;
 }
 

@@ -140,6 +140,65 @@ TEST(Planner, RandomChunkingsCoverEveryPrefixTokenOnce) {
   }
 }
 
+TEST(Planner, DeterministicChunksCutRequestsOnlyAtMultiplesOfTheCapacity) {
+  // r0 10 tokens (pieces 4, 4, 2), r1 empty, r2 3, r3 3, r4 1; capacity 4.
+  const std::vector<int32_t> prefix = {10, 0, 3, 3, 1};
+  const std::vector<PrefixChunk> chunks = split_prefix_into_chunks(prefix, 4, /*deterministic=*/true);
+  // [r0 0-4) | [r0 4-8) | [r0 8-10) + ... r2's 3 would make 5: alone | r2 | r3 + r4
+  ASSERT_EQ(chunks.size(), 5u);
+  const std::vector<std::vector<int32_t>> lens = {
+      {4, 0, 0, 0, 0}, {4, 0, 0, 0, 0}, {2, 0, 0, 0, 0}, {0, 0, 3, 0, 0}, {0, 0, 0, 3, 1}};
+  const std::vector<std::vector<int32_t>> begins = {
+      {0, 0, 0, 0, 0}, {4, 0, 0, 0, 0}, {8, 0, 0, 0, 0}, {10, 0, 0, 0, 0}, {10, 0, 3, 0, 0}};
+  int64_t first = 0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    SCOPED_TRACE("chunk " + std::to_string(c));
+    EXPECT_EQ(chunks[c].kv_lens, lens[c]);
+    EXPECT_EQ(chunks[c].kv_begin, begins[c]);
+    EXPECT_EQ(chunks[c].first_token, first);
+    first += chunks[c].num_tokens;
+  }
+  // The same request meets the same pieces in any batch: here r0 behind a 3-token request.
+  const std::vector<PrefixChunk> shifted =
+      split_prefix_into_chunks(std::vector<int32_t>{3, 10}, 4, /*deterministic=*/true);
+  std::vector<std::pair<int32_t, int32_t>> pieces;
+  for (const PrefixChunk& chunk : shifted)
+    if (chunk.kv_lens[1] > 0) pieces.emplace_back(chunk.kv_begin[1], chunk.kv_lens[1]);
+  EXPECT_EQ(pieces, (std::vector<std::pair<int32_t, int32_t>>{{0, 4}, {4, 4}, {8, 2}}));
+}
+
+TEST(Planner, RandomDeterministicChunkingsDependOnlyOnEachRequest) {
+  std::mt19937_64 rng(19);
+  for (int trial = 0; trial < 300; ++trial) {
+    std::uniform_int_distribution<int> batch_dist(0, 7), len_dist(0, 60), cap_dist(1, 24);
+    std::vector<int32_t> prefix(size_t(batch_dist(rng)));
+    for (int32_t& p : prefix) p = (rng() % 4 == 0) ? 0 : len_dist(rng);
+    const int64_t capacity = cap_dist(rng);
+    const std::vector<PrefixChunk> chunks = split_prefix_into_chunks(prefix, capacity, true);
+    const int64_t total = std::accumulate(prefix.begin(), prefix.end(), int64_t(0));
+    int64_t first = 0;
+    std::vector<int32_t> next(prefix.size(), 0);  // each request's next position
+    for (const PrefixChunk& chunk : chunks) {
+      EXPECT_EQ(chunk.first_token, first);
+      EXPECT_GE(chunk.num_tokens, 1);
+      EXPECT_LE(chunk.num_tokens, capacity);
+      EXPECT_EQ(chunk.cu_kv_lens.back(), chunk.num_tokens);
+      for (size_t b = 0; b < prefix.size(); ++b) {
+        if (chunk.kv_lens[b] == 0) continue;
+        // One piece: starts where the request left off, at a multiple of the capacity, and is
+        // a whole capacity unless it is the request's last.
+        EXPECT_EQ(chunk.kv_begin[b], next[b]);
+        EXPECT_EQ(chunk.kv_begin[b] % capacity, 0);
+        EXPECT_EQ(chunk.kv_lens[b], std::min<int64_t>(capacity, prefix[b] - chunk.kv_begin[b]));
+        next[b] += chunk.kv_lens[b];
+      }
+      first += chunk.num_tokens;
+    }
+    EXPECT_EQ(first, total);
+    EXPECT_EQ(next, prefix);
+  }
+}
+
 TEST(Planner, AbsorbedOrChunkedDecision) {
   using P = ExtendPrefixPath;
   const std::vector<int32_t> no_prefix = {0, 0}, extend = {5, 7};
@@ -179,6 +238,17 @@ TEST(Planner, ExtendLengthsPlan) {
   EXPECT_EQ(plan.max_seq_len, 9);
   EXPECT_FALSE(plan.use_absorbed);
   EXPECT_EQ(plan.chunks.size(), 3u);
+  // Deterministic: kAuto (which would take the absorbed path here) becomes the chunked path, an
+  // explicit path stays, and the chunks are the deterministic ones ({3} | {5} | {4} here: r2's
+  // 9 tokens cut at 5).
+  EXPECT_TRUE(plan_extend_lengths(prefix, extend, 5, ExtendPrefixPath::kAuto, 128).use_absorbed);
+  const ExtendPlan det = plan_extend_lengths(prefix, extend, 5, ExtendPrefixPath::kAuto, 128, true);
+  EXPECT_FALSE(det.use_absorbed);
+  ASSERT_EQ(det.chunks.size(), 3u);
+  EXPECT_EQ(det.chunks[0].kv_lens, (std::vector<int32_t>{3, 0, 0}));
+  EXPECT_EQ(det.chunks[1].kv_lens, (std::vector<int32_t>{0, 0, 5}));
+  EXPECT_EQ(det.chunks[2].kv_lens, (std::vector<int32_t>{0, 0, 4}));
+  EXPECT_TRUE(plan_extend_lengths(prefix, extend, 5, ExtendPrefixPath::kAbsorbed, 128, true).use_absorbed);
   EXPECT_TRUE(throws_error([&] {
     plan_extend_lengths(prefix, std::vector<int32_t>{1, -1, 0}, 5, ExtendPrefixPath::kAuto, 1);
   }, {"extend_lens[1]"}));
