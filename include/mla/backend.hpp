@@ -81,6 +81,14 @@ struct BackendConfig {
   // lengths, block tables and page ids (also those the engine's device tensors carried in) are
   // reported as mla::Error before each launch. It synchronises the stream: not for CUDA graphs.
   bool check_metadata = false;
+  // Deterministic mode (DESIGN §5): a request's attention output (and LSE) is bit-identical
+  // whatever the other requests of its batch, its place in it and the batch size, and on every
+  // run (same config, device and inputs). The decode family and EXTEND's absorbed path run
+  // mla_decode with MlaDecodeArgs::deterministic (unsplit: no split-KV schedule is planned or
+  // allocated); EXTEND's chunked path uses deterministic prefix chunks (mla/plan.hpp), and the
+  // kAuto choice between the two paths, which depends on the whole batch, becomes kChunked.
+  // Slower where splitting pays (a few long requests); about as fast at large batches.
+  bool deterministic = false;
 };
 
 struct LayerParams {

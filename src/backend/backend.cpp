@@ -349,7 +349,7 @@ void Backend::Impl::plan_extend(const ForwardBatch& batch, Stream stream) {
 
   ExtendPlan ext = plan_extend_lengths(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu,
                                        config.prefix_chunk_capacity, config.extend_prefix_path,
-                                       config.absorbed_max_extend_len);
+                                       config.absorbed_max_extend_len, config.deterministic);
   Plan p;
   p.mode = ForwardMode::kExtend;
   p.batch_size = batch_size;
@@ -527,7 +527,8 @@ void Backend::Impl::check_layer(const char* op, const LayerParams& layer) const 
 
 void Backend::Impl::reserve_schedule(ScheduleSlot& slot, int max_batch, int max_q_len,
                                      Stream stream) {
-  if (config.device.type != DeviceType::kCUDA) return;
+  // Deterministic plans run unsplit: no schedule, no memory for one.
+  if (config.device.type != DeviceType::kCUDA || config.deterministic) return;
   max_batch = std::max(max_batch, slot.ready ? slot.schedule.max_batch : 1);
   max_q_len = std::max(max_q_len, slot.ready ? slot.schedule.max_q_len : 1);
   const size_t bytes = decode_workspace_bytes(max_batch, max_q_len, config.num_q_heads);
@@ -542,7 +543,7 @@ void Backend::Impl::reserve_schedule(ScheduleSlot& slot, int max_batch, int max_
 void Backend::Impl::attach_schedule(const char* op, Plan& p, ScheduleSlot& slot, bool may_grow,
                                     Stream stream) {
   p.schedule = nullptr;
-  if (config.device.type != DeviceType::kCUDA || p.batch_size == 0) return;
+  if (config.device.type != DeviceType::kCUDA || config.deterministic || p.batch_size == 0) return;
   const int q_rows = p.cu_q_lens.empty() ? p.q_len : p.max_q_len;
   if (!slot.ready || slot.schedule.max_batch < p.batch_size || slot.schedule.max_q_len < q_rows) {
     MLA_CHECK(may_grow, op, ": the CUDA-graph split-KV schedule holds ",
@@ -655,6 +656,7 @@ void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, cons
   decode.lse = args.lse;
   decode.schedule = p.schedule;
   decode.check_metadata = config.check_metadata;
+  decode.deterministic = config.deterministic;
   mla_decode(decode, stream);
 }
 

@@ -6,6 +6,7 @@
 // Pools have their pages handed out in random order and every unused entry holds NaN, so a
 // wrong page id or a read past a sequence shows up as NaN or a mismatch.
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -997,6 +998,122 @@ TEST(BackendExtend, ChunkedPrefixEqualsOneShotNaiveAttention) {
     SCOPED_TRACE("page " + std::to_string(c.page_size) + " capacity " + std::to_string(c.capacity));
     EXPECT_TRUE(all_close(p.out.to_float(), ref.out, kOutAtol, kOutRtol));
     EXPECT_TRUE(all_close(p.lse.to_float(), ref.lse, kLseAtol, kLseRtol));
+  }
+}
+
+// The requests `which` of `p` (in that order) as an EXTEND batch of their own: the same pool
+// slots, query rows and new tokens, fresh NaN outputs.
+ExtendProblem sub_problem(const ExtendProblem& p, const std::vector<int>& which) {
+  std::vector<int64_t> first_token(p.slots.size() + 1, 0);
+  for (size_t b = 0; b < p.slots.size(); ++b) first_token[b + 1] = first_token[b] + p.extend[b];
+  ExtendProblem s;
+  s.heads = p.heads;
+  for (int b : which) {
+    s.slots.push_back(p.slots[size_t(b)]);
+    s.prefix.push_back(p.prefix[size_t(b)]);
+    s.extend.push_back(p.extend[size_t(b)]);
+    s.num_tokens += p.extend[size_t(b)];
+    s.seq_lens_cpu.push_back(p.seq_lens_cpu[size_t(b)]);
+    s.extend_cpu.push_back(p.extend_cpu[size_t(b)]);
+    s.prefix_cpu.push_back(p.prefix_cpu[size_t(b)]);
+  }
+  // Token rows of the chosen requests, in order.
+  auto rows = [&](const HostTensor& t) {
+    std::vector<int64_t> shape = t.shape;
+    shape[0] = s.num_tokens;
+    HostTensor out(t.dtype, shape);
+    const size_t row_bytes = t.shape[0] ? t.bytes.size() / size_t(t.shape[0]) : 0;
+    size_t at = 0;
+    for (int b : which) {
+      const size_t n = size_t(p.extend[size_t(b)]) * row_bytes;
+      std::memcpy(out.bytes.data() + at, t.bytes.data() + size_t(first_token[size_t(b)]) * row_bytes, n);
+      at += n;
+    }
+    return out;
+  };
+  s.q = rows(p.q);
+  s.k = rows(p.k);
+  s.v = rows(p.v);
+  s.q_abs = rows(p.q_abs);
+  s.k_nope = rows(p.k_nope);
+  s.k_pe = rows(p.k_pe);
+  s.out_cache_loc = rows(p.out_cache_loc);
+  s.out = nan_tensor(DType::kFP32, {s.num_tokens, s.heads, 128});
+  s.lse = nan_tensor(DType::kFP32, {s.num_tokens, s.heads});
+  s.out_abs = nan_tensor(DType::kFP32, {s.num_tokens, s.heads, kKvLoraRank});
+  s.lse_abs = nan_tensor(DType::kFP32, {s.num_tokens, s.heads});
+  const int batch = int(which.size());
+  std::vector<int32_t> rpi(s.slots.begin(), s.slots.end());
+  s.req_pool_indices = test::int32_tensor(rpi, {batch});
+  s.seq_lens = test::int32_tensor(s.seq_lens_cpu, {batch});
+  return s;
+}
+
+// BackendConfig::deterministic: request 1's EXTEND rows (23 cached tokens, pieces of 8, 8 and 7)
+// have the same bits alone, behind a 5-token prefix and ahead of others, on both paths; without
+// it the chunked path cuts the request where the batch puts the chunk boundaries, and the bits
+// move.
+TEST(BackendDeterministic, ExtendRequestBitsDoNotDependOnTheBatch) {
+  std::mt19937_64 rng(4242);
+  const int heads = 3;
+  UpProjection proj(heads, rng);
+  Pool pool(8, 64, 512, 6, DType::kFP16, rng());
+  ExtendProblem all = make_extend_problem(pool, proj, {4, 1, 2, 0}, {5, 23, 13, 0}, {3, 4, 2, 1}, rng);
+  const LayerParams layer = make_layer(pool);
+  {  // the new tokens' latents in the cache, for the absorbed path
+    BackendConfig config = make_config(pool, heads);
+    Backend backend(config);
+    const ForwardBatch batch = all.batch();
+    backend.init_forward_metadata(batch);
+    backend.save_latent_kv(batch, layer, all.k_nope.view(), all.k_pe.view());
+  }
+  const std::vector<std::vector<int>> batches = {{1}, {0, 1}, {1, 2, 3}, {0, 1, 2, 3}};
+  const int64_t row_out = heads * 128, row_abs = heads * kKvLoraRank;
+  for (bool deterministic : {true, false}) {
+    // Deterministic: kAuto (which alone would take the absorbed path here) takes the chunked one.
+    const ExtendPrefixPath chunked = deterministic ? ExtendPrefixPath::kAuto : ExtendPrefixPath::kChunked;
+    for (ExtendPrefixPath path : {chunked, ExtendPrefixPath::kAbsorbed}) {
+      std::vector<std::vector<float>> outs, lses;  // request 1's rows in each batch
+      for (const std::vector<int>& which : batches) {
+        ExtendProblem p = sub_problem(all, which);
+        BackendConfig config = make_config(pool, heads);
+        config.prefix_chunk_capacity = 8;
+        config.extend_prefix_path = path;
+        config.absorbed_max_extend_len = 1000;  // kAuto alone would take the absorbed path
+        config.deterministic = deterministic;
+        Backend backend(config);
+        const ForwardBatch batch = p.batch();
+        backend.init_forward_metadata(batch);
+        const bool absorbed = backend.plan().extend.use_absorbed;
+        EXPECT_EQ(absorbed, path == ExtendPrefixPath::kAbsorbed);
+        int64_t t0 = 0;
+        for (int b : which) {
+          if (b == 1) break;
+          t0 += all.extend[size_t(b)];
+        }
+        if (absorbed) {
+          AbsorbedAttentionArgs a = p.absorbed_args();
+          a.save_kv_cache = false;
+          backend.forward_extend_absorbed(batch, layer, a);
+          const std::vector<float> o = p.out_abs.to_float(), l = p.lse_abs.to_float();
+          outs.emplace_back(o.begin() + t0 * row_abs, o.begin() + (t0 + 4) * row_abs);
+          lses.emplace_back(l.begin() + t0 * heads, l.begin() + (t0 + 4) * heads);
+        } else {
+          backend.forward_extend_chunked(batch, layer, p.mha_args(), make_up_project(proj, 1.0f, nullptr));
+          const std::vector<float> o = p.out.to_float(), l = p.lse.to_float();
+          outs.emplace_back(o.begin() + t0 * row_out, o.begin() + (t0 + 4) * row_out);
+          lses.emplace_back(l.begin() + t0 * heads, l.begin() + (t0 + 4) * heads);
+        }
+      }
+      SCOPED_TRACE(std::string(deterministic ? "deterministic" : "default") +
+                   (path == ExtendPrefixPath::kAbsorbed ? ", absorbed" : ", chunked"));
+      bool all_equal = true;
+      for (size_t i = 1; i < outs.size(); ++i)
+        all_equal = all_equal && outs[i] == outs[0] && lses[i] == lses[0];
+      // The CPU's absorbed path is deterministic in either mode; the default chunked path is not.
+      const bool default_chunked = !deterministic && path == ExtendPrefixPath::kChunked;
+      EXPECT_EQ(all_equal, !default_chunked);
+    }
   }
 }
 

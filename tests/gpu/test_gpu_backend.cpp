@@ -470,10 +470,11 @@ struct DecodeFamilyCase {
   int max_context_len = 512;
   bool save = true;
   bool expect_split = false;
+  bool deterministic = false;  // BackendConfig::deterministic on the CUDA backend
   uint64_t seed = 1;
 
   std::string describe() const {
-    return std::string(forward_mode_name(mode)) + " page " + std::to_string(page_size) + " heads " +
+    return std::string(forward_mode_name(mode)) + (deterministic ? " deterministic" : "") + " page " + std::to_string(page_size) + " heads " +
            std::to_string(heads) + (host_lengths ? " host" : " device") + " lengths, " +
            std::string(dtype_name(index_dtype)) + " indices, " + std::string(dtype_name(kv_dtype)) +
            " cache, " + std::string(dtype_name(out_dtype)) + " out";
@@ -499,6 +500,7 @@ void check_decode_family(const DecodeFamilyCase& c) {
   BackendConfig cpu_config = make_config(pool, c.heads, false, c.out_dtype);
   BackendConfig gpu_config = make_config(pool, c.heads, true, c.out_dtype);
   cpu_config.num_draft_tokens = gpu_config.num_draft_tokens = c.num_draft_tokens;
+  gpu_config.deterministic = c.deterministic;
   Backend cpu(cpu_config), gpu(gpu_config);
   CudaStream stream;
 
@@ -512,15 +514,21 @@ void check_decode_family(const DecodeFamilyCase& c) {
   EXPECT_EQ(plan.batch_size, int(c.requests.size()));
   EXPECT_EQ(plan.max_blocks, cpu.plan().max_blocks);
   EXPECT_EQ(plan.num_tokens, cpu.plan().num_tokens);
-  ASSERT_NE(plan.schedule, nullptr) << "a CUDA plan carries a split-KV schedule";
+  if (c.deterministic) {
+    ASSERT_EQ(plan.schedule, nullptr) << "a deterministic plan runs unsplit";
+  } else {
+    ASSERT_NE(plan.schedule, nullptr) << "a CUDA plan carries a split-KV schedule";
+  }
   gpu.forward_decode(gpu_batch, make_layer(pool, true), b.args(true, c.save), stream.get());
   MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
 
-  const ScheduleHeaderCopy header = read_schedule_header(*gpu.plan().schedule);
-  EXPECT_EQ(header.magic, kScheduleMagic);
-  EXPECT_EQ(header.batch_size, int(c.requests.size()));
-  EXPECT_EQ(header.num_heads, c.heads);
-  if (c.expect_split) EXPECT_GE(header.num_split_units, 1) << "the long request was not split";
+  if (!c.deterministic) {
+    const ScheduleHeaderCopy header = read_schedule_header(*gpu.plan().schedule);
+    EXPECT_EQ(header.magic, kScheduleMagic);
+    EXPECT_EQ(header.batch_size, int(c.requests.size()));
+    EXPECT_EQ(header.num_heads, c.heads);
+    if (c.expect_split) EXPECT_GE(header.num_split_units, 1) << "the long request was not split";
+  }
 
   const HostTensor out = b.d_out.download(), lse = b.d_lse.download();
   EXPECT_TRUE(bitwise_equal(pool.d_cache.download(), pool.cache)) << "cache after the saves";
@@ -652,6 +660,28 @@ TEST(GpuBackend, LongRequestIsSplitAndMatchesCpuBackend) {
   c.mode = ForwardMode::kTargetVerify;
   c.requests = {{0, 16381, 3}, {1, 0, 3}, {2, 700, 3}};
   c.host_lengths = false;
+  check_decode_family(c);
+}
+
+// BackendConfig::deterministic: no schedule is planned, and every mode matches the CPU backend
+// (the bits of a request across batches are mla_decode's, tested in test_gpu_decode.cpp).
+TEST(GpuBackend, DeterministicDecodeFamilyRunsUnsplitAndMatchesCpuBackend) {
+  MLA_REQUIRE_GPU();
+  DecodeFamilyCase c;
+  c.page_size = 64;
+  c.heads = 16;
+  c.deterministic = true;
+  c.max_context_len = 8192;
+  c.requests = {{0, 8000, 1}, {1, 5, 1}, {2, 700, 1}, {3, 0, 1}};
+  c.seed = 31;
+  check_decode_family(c);
+  c.heads = 128;
+  c.mode = ForwardMode::kTargetVerify;
+  c.requests = {{0, 3000, 3}, {1, 0, 3}, {2, 64, 3}};
+  c.host_lengths = false;
+  check_decode_family(c);
+  c.mode = ForwardMode::kDraftExtend;
+  c.requests = {{0, 200, 2}, {1, 9, 3}, {2, 70, 1}};
   check_decode_family(c);
 }
 
