@@ -352,7 +352,7 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
                 const at::Tensor& kv_lens, const OptTensor& cu_q_lens, int64_t q_len,
                 int64_t max_q_len, double softmax_scale, double q_scale, double k_scale,
                 const at::Tensor& out, const OptTensor& lse, const OptTensor& workspace,
-                int64_t workspace_max_batch, int64_t workspace_max_q_len) {
+                int64_t workspace_max_batch, int64_t workspace_max_q_len, bool deterministic) {
   constexpr const char* op = "mla_decode";
   const bool has_q = q.has_value() && q->defined();
   const bool has_nope = q_nope.has_value() && q_nope->defined();
@@ -387,6 +387,10 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
   args.lse = bind(lse, {"lse", "[T, H]", {-1, -1}, kFloat32, Layout::kInnerContiguous, true});
   const ByteBuffer ws = bind.bytes(workspace, {"workspace", "[bytes]", {-1}, {ScalarType::Byte},
                                                Layout::kContiguous, true});
+  args.deterministic = deterministic;
+  if (deterministic && ws.given)
+    fail(op, "deterministic=True runs every request unsplit, so it takes no split-KV workspace "
+         "(a schedule's cuts depend on the whole batch); pass workspace=None");
   run(bind, [&](mla::Stream s) {
     // With a workspace on the GPU: plan the split-KV schedule for exactly this batch, then
     // decode with it (both on the stream, no host sync). The CPU ignores the workspace.
@@ -474,7 +478,7 @@ TORCH_LIBRARY(mla, m) {
         "Tensor block_table, Tensor kv_lens, Tensor? cu_q_lens, int q_len, int max_q_len, "
         "float softmax_scale, float q_scale, float k_scale, Tensor(a!) out, "
         "Tensor(b!)? lse, Tensor(c!)? workspace=None, int workspace_max_batch=0, "
-        "int workspace_max_q_len=0) -> ()");
+        "int workspace_max_q_len=0, bool deterministic=False) -> ()");
   m.def("decode_workspace_bytes(int max_batch, int max_q_len, int num_heads) -> int",
         &mla_torch::decode_workspace_bytes);
   m.def("mha_prefill(Tensor q, Tensor k, Tensor v, Tensor cu_q_lens, Tensor cu_kv_lens, "

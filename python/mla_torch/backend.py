@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -276,6 +276,11 @@ class MlaBackend:
       step_offset: a draft step's backend attends to seq_lens + step_offset keys in DECODE.
       use_split_kv: on CUDA, run mla_decode with the split-KV schedule (planned on the device
         before each decode in a workspace the backend owns, or decode_workspace when given).
+      deterministic: a request's attention output is bit-identical whatever else is in its
+        batch and from run to run: mla_decode runs unsplit with deterministic=True (use_split_kv
+        is then off), and prefix chunks cut a request only at multiples of
+        chunked_prefix_capacity of its own positions (pieces packed whole, in order). From an
+        SGLang ModelRunner: server_args.enable_deterministic_inference.
     """
 
     def __init__(self, *, num_q_heads: int, page_size: int, req_to_token: Tensor,
@@ -284,7 +289,8 @@ class MlaBackend:
                  disable_chunked_prefix_cache: bool = False,
                  chunked_prefix_capacity: int = 65536, prefill_fp8: Optional[bool] = None,
                  skip_prefill: bool = False, step_offset: int = 0, use_split_kv: bool = True,
-                 decode_workspace: Optional[ops.DecodeWorkspace] = None):
+                 decode_workspace: Optional[ops.DecodeWorkspace] = None,
+                 deterministic: bool = False):
         if kv_cache_dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
             raise ValueError(f"MlaBackend: kv_cache_dtype must be bfloat16, float16 or "
                              f"float8_e4m3fn, got {kv_cache_dtype}")
@@ -306,7 +312,8 @@ class MlaBackend:
         self.step_offset = step_offset
         # The split-KV schedule's workspace (CUDA only; shared by the steps of a draft backend,
         # which decode one after another on one stream). None: the decode kernel runs unsplit.
-        self.use_split_kv = use_split_kv and self.device.type == "cuda" and \
+        self.deterministic = bool(deterministic)
+        self.use_split_kv = use_split_kv and not self.deterministic and self.device.type == "cuda" and \
             torch.ops.mla.build_info() != "cpu"
         self.decode_workspace = decode_workspace
         self.kv_lora_rank = ops.KV_LORA_RANK
@@ -337,6 +344,7 @@ class MlaBackend:
             q_dtype=model_runner.dtype,
             num_draft_tokens=getattr(server_args, "speculative_num_draft_tokens", 0) or 0,
             disable_chunked_prefix_cache=bool(getattr(server_args, "disable_chunked_prefix_cache", False)),
+            deterministic=bool(getattr(server_args, "enable_deterministic_inference", False)),
             skip_prefill=skip_prefill,
             step_offset=step_offset,
         )
@@ -444,19 +452,43 @@ class MlaBackend:
             self._plan_prefix_chunks(forward_batch, prefix_cpu[:bs])
         return md
 
+    def _chunk_ranges(self, prefix_cpu: List[int]) -> List[Tuple[List[int], List[int]]]:
+        """(starts, lens) per request of each prefix chunk. Default: each request gets
+        capacity // B tokens a chunk. Deterministic: each request's prefix is cut at multiples of
+        the capacity of its own positions, and the pieces are packed whole, in request order,
+        into chunks of at most the capacity (every piece but a request's last fills a chunk, so a
+        chunk holds at most one piece of a request)."""
+        bs = len(prefix_cpu)
+        capacity = self.chunked_prefix_capacity
+        if not self.deterministic:
+            chunk_len = max(1, capacity // max(bs, 1))
+            ranges = []
+            for c in range(_cdiv(max(prefix_cpu), chunk_len)):
+                starts = [min(c * chunk_len, p) for p in prefix_cpu]
+                ranges.append((starts, [min(p - s, chunk_len) for p, s in zip(prefix_cpu, starts)]))
+            return ranges
+        ranges, used = [], capacity + 1  # no open chunk yet
+        for b, p in enumerate(prefix_cpu):
+            for start in range(0, p, capacity):
+                n = min(capacity, p - start)
+                if used + n > capacity:
+                    ranges.append(([0] * bs, [0] * bs))
+                    used = 0
+                ranges[-1][0][b], ranges[-1][1][b] = start, n
+                used += n
+        return ranges
+
     def _plan_prefix_chunks(self, forward_batch: Any, prefix_cpu: List[int]) -> None:
         """Splits the cached prefixes into chunks of at most chunked_prefix_capacity tokens over
-        the batch (each request gets capacity // B tokens per chunk) and stores, per chunk, the
-        cumulative lengths, the bound on one request's chunk and the token slots, on the batch."""
+        the batch (_chunk_ranges) and stores, per chunk, the cumulative lengths, the bound on one
+        request's chunk and the token slots, on the batch."""
         bs = len(prefix_cpu)
-        chunk_len = max(1, self.chunked_prefix_capacity // max(bs, 1))
-        num_chunks = _cdiv(max(prefix_cpu), chunk_len)
+        ranges = self._chunk_ranges(prefix_cpu)
+        num_chunks = len(ranges)
         device = self.device
         cu_list, max_list, idx_list, num_list = [], [], [], []
         req_pool_indices = forward_batch.req_pool_indices[:bs].long()
-        for c in range(num_chunks):
-            starts = [min(c * chunk_len, p) for p in prefix_cpu]
-            lens = [min(p - s, chunk_len) for p, s in zip(prefix_cpu, starts)]
+        for starts, lens in ranges:
             rows = torch.repeat_interleave(torch.arange(bs), torch.tensor(lens, dtype=torch.long))
             cols = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]) \
                 if sum(lens) else torch.zeros(0, dtype=torch.long)
@@ -693,7 +725,8 @@ class MlaBackend:
         ws = self._workspace(md) if self.use_split_kv else {}
         ops.mla_decode(kv_cache, md.block_table, md.kv_lens, layer.scaling, q=query, q_nope=q_nope,
                        q_pe=q_pe, cu_q_lens=md.cu_q_lens, q_len=md.q_len or 1,
-                       max_q_len=md.max_q_len, k_scale=k_scale, out=out, **ws)
+                       max_q_len=md.max_q_len, k_scale=k_scale, out=out,
+                       deterministic=self.deterministic, **ws)
         return out.view(num_tokens, num_heads * self.kv_lora_rank)
 
     def forward_decode(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], layer: Any,

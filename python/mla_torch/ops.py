@@ -83,7 +83,7 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
                out: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
                lse: Optional[Tensor] = None, return_lse: bool = False,
                workspace: Optional[Tensor] = None, workspace_max_batch: int = 0,
-               workspace_max_q_len: int = 0):
+               workspace_max_q_len: int = 0, deterministic: bool = False):
     """Absorbed attention over the paged latent cache (causal for q_len > 1). Queries as q
     [T, H, 576] or q_nope [T, H, 512] + q_pe [T, H, 64]. Returns out [T, H, 512], or (out, lse)
     when return_lse or lse is given.
@@ -91,7 +91,10 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
     On CUDA, a workspace (uint8, decode_workspace_bytes(max_batch, max_q_len, H) bytes, made for
     that capacity) turns on the split-KV schedule: it is planned on the device for this batch
     right before the kernel (no host sync, graph-capturable). Without it the kernel runs unsplit.
-    The CPU ignores the workspace."""
+    The CPU ignores the workspace.
+
+    deterministic: a request's rows are bit-identical whatever else is in the batch and from run
+    to run (unsplit 64-row tiles, the kernel chosen without the batch size); takes no workspace."""
     ref = q if q is not None else q_nope
     if ref is None:
         raise ValueError("mla_decode: give q or q_nope and q_pe")
@@ -104,7 +107,7 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
     torch.ops.mla.mla_decode(q, q_nope, q_pe, kv_cache, block_table, kv_lens, cu_q_lens,
                              int(q_len), int(max_q_len), float(softmax_scale), float(q_scale),
                              float(k_scale), out, lse, workspace, int(workspace_max_batch),
-                             int(workspace_max_q_len))
+                             int(workspace_max_q_len), bool(deterministic))
     return (out, lse) if lse is not None else out
 
 

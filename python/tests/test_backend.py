@@ -244,6 +244,32 @@ def test_multi_step_draft_backend():
     assert sg.attn_backends[0].forward_decode_metadata.kv_lens.tolist() == [6, 13]
 
 
+def test_deterministic_prefix_chunks_depend_only_on_each_request():
+    """deterministic=True: a request's prefix is cut at multiples of the capacity of its own
+    positions, whatever the other requests (by default the cuts follow capacity // B)."""
+    def pieces(backend, reqs, prefix, extend, of):
+        seq = [p + e for p, e in zip(prefix, extend)]
+        fb = batch(ForwardMode.EXTEND, reqs, seq, extend=extend, prefix=prefix)
+        backend.init_forward_metadata(fb)
+        b = reqs.index(of)
+        out = []
+        for c in range(fb.num_prefix_chunks):
+            cu = fb.prefix_chunk_cu_seq_lens[c].tolist()
+            assert fb.prefix_chunk_num_tokens[c] == cu[-1] <= 6
+            if cu[b + 1] > cu[b]:
+                out.append(fb.prefix_chunk_kv_indices[c].tolist()[cu[b]:cu[b + 1]])
+        return out
+
+    det, r2t = make_backend(chunked_prefix_capacity=6, deterministic=True)
+    alone = pieces(det, [2], [14], [2], of=2)
+    assert alone == [r2t[2, 0:6].tolist(), r2t[2, 6:12].tolist(), r2t[2, 12:14].tolist()]
+    assert pieces(det, [0, 2, 1], [3, 14, 5], [1, 2, 1], of=2) == alone
+    assert pieces(det, [2, 4], [14, 1], [2, 2], of=2) == alone
+    default, _ = make_backend(chunked_prefix_capacity=6)
+    assert pieces(default, [0, 2, 1], [3, 14, 5], [1, 2, 1], of=2) != alone
+    assert not det.use_split_kv
+
+
 def test_from_model_runner():
     backend, _ = make_backend()
     runner = SimpleNamespace(
@@ -254,6 +280,10 @@ def test_from_model_runner():
         server_args=SimpleNamespace(speculative_num_draft_tokens=4, disable_chunked_prefix_cache=True))
     b = MlaBackend.from_model_runner(runner)
     assert b.num_q_heads == 16 and b.num_draft_tokens == 4 and b.disable_chunked_prefix_cache
+    assert not b.deterministic
+    runner.server_args.enable_deterministic_inference = True
+    assert MlaBackend.from_model_runner(runner).deterministic
+    del runner.server_args.enable_deterministic_inference
     d = MlaMultiStepDraftBackend.from_model_runner(runner, topk=1, speculative_num_steps=3)
     assert [x.step_offset for x in d.attn_backends] == [1, 2]
     # Data-parallel attention: the heads are split over tp_size / dp_size ranks, not tp_size.

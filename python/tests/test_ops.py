@@ -206,6 +206,34 @@ def test_mla_decode_fp32_output_and_strided(device, gen):
     assert torch.isnan(out_big[:, :, NOPE:]).all(), "wrote outside the output view"
 
 
+def test_mla_decode_deterministic(device, gen):
+    """deterministic=True: the reference's values, and one request's rows have the same bits
+    alone and in a batch of 40 with other lengths and query counts; no workspace with it."""
+    heads, page_size = 16, 16
+    gen_lens = torch.Generator().manual_seed(5)
+    kv_lens = [int(x) for x in torch.randint(0, 300, (40,), generator=gen_lens)]
+    q_lens = [int(x) for x in torch.randint(1, 4, (40,), generator=gen_lens)]
+    kv_lens[5], q_lens[5] = 777, 1
+    paged = make_paged_cache(kv_lens, page_size, torch.bfloat16, device, gen)
+    q = torch.randn(sum(q_lens), heads, LATENT, generator=gen).to(torch.bfloat16).to(device)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
+    out, lse = _call(ops.mla_decode, paged.cache, paged.block_table, paged.kv_lens, 0.1, q=q,
+                     cu_q_lens=cu, max_q_len=max(q_lens), return_lse=True, deterministic=True)
+    out_ref, lse_ref = ref_mla_decode(q, paged, q_lens, 0.1)
+    assert_close(out, out_ref, *TOL[torch.bfloat16], "out")
+    assert_close(lse, lse_ref, *LSE_TOL, "lse")
+    t0 = sum(q_lens[:5])
+    alone_out, alone_lse = ops.mla_decode(
+        paged.cache, paged.block_table[5:6], paged.kv_lens[5:6], 0.1, q=q[t0:t0 + 1], q_len=1,
+        return_lse=True, deterministic=True)
+    assert torch.equal(alone_out, out[t0:t0 + 1]) and torch.equal(alone_lse, lse[t0:t0 + 1])
+    workspace = torch.zeros(4096, dtype=torch.uint8, device=device)
+    with pytest.raises(RuntimeError, match="deterministic.*no split-KV workspace"):
+        ops.mla_decode(paged.cache, paged.block_table, paged.kv_lens, 0.1, q=q, cu_q_lens=cu,
+                       max_q_len=max(q_lens), deterministic=True, workspace=workspace,
+                       workspace_max_batch=40, workspace_max_q_len=3)
+
+
 # ---- mha_prefill --------------------------------------------------------------------------------
 
 PREFILL_CASES = [

@@ -749,6 +749,16 @@ TEST(GpuDecodeDeterministic, RequestBitsDoNotDependOnTheBatch) {
       }
     }
   }
+  // Fixed query counts (no cu_q_lens): 16 rows a request in a 64-row tile, every page size.
+  for (int page_size : {16, 64, 128}) {
+    for (int q_len : {1, 2}) {
+      DecodeCase c = fixed(16, page_size, {1, 700, 64, 0, 129}, q_len);
+      c.use_schedule = false;
+      c.deterministic = true;
+      c.seed = uint64_t(27500 + page_size + q_len);
+      check_case(c);
+    }
+  }
 }
 
 TEST(GpuDecode, MatchesCpuImplementation) {
