@@ -147,7 +147,7 @@ double tolerance_for(DType input_dtype);
 
 // One timed kernel: the library op, or a baseline written the way a user would.
 struct Measurement {
-  std::string kernel;  // "mla-cpu"; decode "mla-sm80-mma" / "mla-sm90-wgmma" (+ "-unsplit"); prefill "mla-cuda"; "naive-cublas"
+  std::string kernel;  // "mla-cpu"; decode "mla-sm80-mma" / "mla-sm90-wgmma" (+ "-unsplit" / "-deterministic"); prefill "mla-cuda"; "naive-cublas"
   double time_us = 0;  // median
   HostBuffer out;      // the kernel's output, copied to the host
   // Decode on the GPU: the output of the CUDA-graph replays (graph_us), written into a buffer
@@ -184,7 +184,8 @@ std::unique_ptr<Runner> make_cpu_runner();
 bool cuda_device_available();
 // How the L2 is emptied before each timed run (see --flush).
 enum class L2Flush : uint8_t { kWrite, kRead, kNone };
-std::unique_ptr<Runner> make_cuda_runner(L2Flush flush);
+// deterministic_rows: decode also times mla_decode's deterministic mode.
+std::unique_ptr<Runner> make_cuda_runner(L2Flush flush, bool deterministic_rows = false);
 #endif
 
 // Median of a non-empty sample.

@@ -214,7 +214,8 @@ unsigned grid_for(size_t n, unsigned block) {
 
 class GpuRunner final : public Runner {
  public:
-  explicit GpuRunner(L2Flush flush) : flush_mode_(flush) {
+  GpuRunner(L2Flush flush, bool deterministic_rows)
+      : flush_mode_(flush), deterministic_rows_(deterministic_rows) {
     MLA_CUDA_CHECK(cudaGetDevice(&device_));
     MLA_CUDA_CHECK(cudaGetDeviceProperties(&props_, device_));
     int driver = 0, runtime = 0;
@@ -289,16 +290,20 @@ class GpuRunner final : public Runner {
       plan_decode(schedule, kv_lens_view, TensorView{}, c.q_len, c.q_len, stream_);
     });
     // Kernels: the portable one and the Hopper one (where it applies), each with the schedule;
-    // then the one mla_decode picks without a schedule. mla_decode_kernel_name throws for a
-    // kernel that does not apply to the case or the card.
+    // then the one mla_decode picks without a schedule, and (--deterministic on) in the
+    // deterministic mode. mla_decode_kernel_name throws for a kernel that does not apply to the
+    // case or the card.
     struct Variant {
       const DecodeSchedule* schedule;
       DecodeKernel kernel;
+      bool deterministic;
     };
+    std::vector<Variant> variants = {{&schedule, DecodeKernel::kPortable, false},
+                                     {&schedule, DecodeKernel::kHopper, false},
+                                     {nullptr, DecodeKernel::kAuto, false}};
+    if (deterministic_rows_) variants.push_back({nullptr, DecodeKernel::kAuto, true});
     std::vector<std::string> seen;
-    for (const Variant v : {Variant{&schedule, DecodeKernel::kPortable},
-                            Variant{&schedule, DecodeKernel::kHopper},
-                            Variant{nullptr, DecodeKernel::kAuto}}) {
+    for (const Variant& v : variants) {
       const DeviceMemory out = nan_output(out_bytes);
       DecodeBuffers buffers;
       buffers.q = q.get();
@@ -309,6 +314,7 @@ class GpuRunner final : public Runner {
       MlaDecodeArgs args = decode_args(p, buffers, Device::cuda(device_));
       args.schedule = v.schedule;
       args.kernel = v.kernel;
+      args.deterministic = v.deterministic;
       Measurement m;
       const char* name = nullptr;
       try {
@@ -317,7 +323,8 @@ class GpuRunner final : public Runner {
         if (v.kernel != DecodeKernel::kHopper) throw;
         continue;  // the Hopper kernel does not apply here
       }
-      m.kernel = std::string("mla-") + name + (v.schedule ? "" : "-unsplit");
+      m.kernel = std::string("mla-") + name +
+                 (v.deterministic ? "-deterministic" : v.schedule ? "" : "-unsplit");
       if (std::find(seen.begin(), seen.end(), m.kernel) != seen.end()) continue;
       seen.push_back(m.kernel);
       m.time_us = time_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
@@ -539,6 +546,7 @@ class GpuRunner final : public Runner {
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   L2Flush flush_mode_;
+  bool deterministic_rows_;  // decode: also the deterministic mode
   DeviceMemory flush_;
   unsigned flush_value_ = 0;
 };
@@ -555,6 +563,8 @@ bool cuda_device_available() {
   return count > 0;
 }
 
-std::unique_ptr<Runner> make_cuda_runner(L2Flush flush) { return std::make_unique<GpuRunner>(flush); }
+std::unique_ptr<Runner> make_cuda_runner(L2Flush flush, bool deterministic_rows) {
+  return std::make_unique<GpuRunner>(flush, deterministic_rows);
+}
 
 }  // namespace mla::bench

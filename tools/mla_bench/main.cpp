@@ -49,6 +49,8 @@ each result against a float64 naive computation. Without case options it runs --
                            that the timed run's traffic must write back first; read reads such a
                            buffer, which leaves clean lines; none leaves in L2 what the previous
                            run left there (its inputs, its outputs and the kernels' code)
+  --deterministic on|off   cuda decode: also time mla_decode's deterministic mode (unsplit
+                           64-row tiles; rows named '...-deterministic'; default off)
   --warmup N               untimed runs per case (default 1 on cpu, 5 on cuda)
   --iters N                timed runs per case; the median is reported (default 3 / 20)
   --seed N                 random seed (default 1)
@@ -69,6 +71,7 @@ struct Options {
   BenchCase single;
   bool case_options_given = false;
   std::string flush = "write";
+  bool deterministic_rows = false;
   int warmup = -1;
   int iters = -1;
   uint64_t seed = 1;
@@ -124,6 +127,10 @@ Options parse_options(int argc, char** argv) {
       o.flush = value;
       if (o.flush != "write" && o.flush != "read" && o.flush != "none")
         usage_error("--flush expects write, read or none, got '" + std::string(value) + "'");
+    } else if (arg == "--deterministic") {
+      if (value != "on" && value != "off")
+        usage_error("--deterministic expects on or off, got '" + std::string(value) + "'");
+      o.deterministic_rows = value == "on";
     } else if (arg == "--json") {
       o.json_path = value;
     } else if (arg == "--warmup") {
@@ -275,7 +282,8 @@ int run(int argc, char** argv) {
     if (o.device == "cuda" || cuda_device_available())
       runner = make_cuda_runner(o.flush == "read"   ? L2Flush::kRead
                                 : o.flush == "none" ? L2Flush::kNone
-                                                    : L2Flush::kWrite);
+                                                    : L2Flush::kWrite,
+                                o.deterministic_rows);
 #else
     if (o.device == "cuda") usage_error("--device cuda: this mla-bench was built without CUDA");
 #endif
