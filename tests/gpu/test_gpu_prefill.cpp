@@ -539,6 +539,21 @@ TEST(MhaPrefillGpu, TooSmallMaxQLenPoisonsUncoveredRows) {
   EXPECT_TRUE(all_close(lse_gpu.to_float(), e.lse, kLseTolerance.atol, kLseTolerance.rtol));
 }
 
+// `host`'s arguments over device copies of contiguous tensors.
+MhaPrefillArgs contiguous_on_device(const MhaPrefillArgs& host, DeviceTensor& q, DeviceTensor& k,
+                                    DeviceTensor& v, DeviceTensor& cu_q, DeviceTensor& cu_kv,
+                                    DeviceTensor& out, DeviceTensor& lse) {
+  MhaPrefillArgs a = host;
+  a.q = q.view();
+  a.k = k.view();
+  a.v = v.view();
+  a.cu_q_lens = cu_q.view();
+  a.cu_kv_lens = cu_kv.view();
+  a.out = out.view();
+  a.lse = lse.view();
+  return a;
+}
+
 // Offsets on the device are not checked on the host: the kernel clamps them to [0, Tq] / [0, Tk]
 // (a request whose end precedes its start has no rows). Each case's rows come out as attention
 // over the clamped geometry, rows no request covers keep their NaN poison, and nothing is read or
@@ -572,14 +587,7 @@ TEST(MhaPrefillGpu, BadDeviceOffsetsAreClampedToTheTensors) {
     HostTensor cu_q = int32_tensor(bad.cu_q), cu_kv = int32_tensor(bad.cu_kv);
     HostTensor out = buf.out, lse = buf.lse;  // NaN
     DeviceTensor d_cu_q(cu_q), d_cu_kv(cu_kv), d_out(out), d_lse(lse);
-    MhaPrefillArgs a = buf.args;
-    a.q = d_q.view();
-    a.k = d_k.view();
-    a.v = d_v.view();
-    a.cu_q_lens = d_cu_q.view();
-    a.cu_kv_lens = d_cu_kv.view();
-    a.out = d_out.view();
-    a.lse = d_lse.view();
+    MhaPrefillArgs a = contiguous_on_device(buf.args, d_q, d_k, d_v, d_cu_q, d_cu_kv, d_out, d_lse);
     a.max_q_len = 7;
     a.max_kv_len = 9;
     ASSERT_NO_THROW(mla::mha_prefill(a)) << "case " << i;
@@ -614,14 +622,7 @@ TEST(MhaPrefillGpu, BadArgumentsThrow) {
   make_buffers(c, buf);
   DeviceTensor d_q(buf.q), d_k(buf.k), d_v(buf.v), d_cu_q(buf.cu_q), d_cu_kv(buf.cu_kv),
       d_out(buf.out), d_lse(buf.lse);
-  MhaPrefillArgs a = buf.args;
-  a.q = d_q.view();
-  a.k = d_k.view();
-  a.v = d_v.view();
-  a.cu_q_lens = d_cu_q.view();
-  a.cu_kv_lens = d_cu_kv.view();
-  a.out = d_out.view();
-  a.lse = d_lse.view();
+  MhaPrefillArgs a = contiguous_on_device(buf.args, d_q, d_k, d_v, d_cu_q, d_cu_kv, d_out, d_lse);
   a.max_q_len = 4;
   a.max_kv_len = 5;
   EXPECT_NO_THROW(mla::mha_prefill(a));
