@@ -113,7 +113,7 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
 // page size >= 16, a cache of at most 2^31 - 1 token slots (P x S), 16-byte aligned query rows,
 // and either more than 16 query rows a request
 // (max_q_len x heads) or a batch of 32 requests or more (at 16 rows the portable kernel is faster
-// for smaller batches); anything else runs the portable mma.sync kernel
+// for smaller batches) or `deterministic`; anything else runs the portable mma.sync kernel
 // (sm_80 and newer). kPortable always runs the portable kernel; kHopper runs the Hopper kernel or
 // throws mla::Error saying which condition fails. Both give the same results up to fp32 rounding
 // order. Ignored on the CPU.
