@@ -20,6 +20,8 @@
 #   GPU_RACECHECK_FILTER   gtest filter for racecheck (default: the first test of every suite)
 #   SKIP_SANITIZERS=1, SKIP_BENCH=1   leave those steps out (reported as SKIP)
 #   BENCH_SWEEPS           mla-bench sweeps to run (default "decode prefill")
+#   BENCH_ARGS             more mla-bench options, e.g. "--deterministic on" (decode rows of the
+#                          deterministic mode) or "--flush read"
 #   BENCH_DECODE_PARTS=N   run the decode sweep as N parts (--part K/N), each its own JSON;
 #   BENCH_DECODE_PART=K/N  or only part K (merge the JSONs with bench/merge_results.py)
 #   SANITIZE_TIMEOUT_S, BENCH_TIMEOUT_S, TEST_TIMEOUT_S   per-step time limits in seconds
@@ -205,8 +207,9 @@ run_bench() {  # sweep [part K/N]
   json="$OUT_DIR/$name.json"
   t0=$(now)
   echo "== mla-bench --device cuda --sweep $sweep${part:+ --part $part}"
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
   timeout "${BENCH_TIMEOUT_S:-1200}" "$BENCH" --device cuda --sweep "$sweep" ${part:+--part "$part"} \
-    --json "$json" >"$OUT_DIR/$name.log" 2>&1 || rc=$?
+    ${BENCH_ARGS:-} --json "$json" >"$OUT_DIR/$name.log" 2>&1 || rc=$?
   tail -30 "$OUT_DIR/$name.log" || true
   record "bench $sweep${part:+ $part}" "$( ((rc == 0)) && [[ -s "$json" ]] && echo PASS || echo FAIL)" \
     $(($(now) - t0)) "exit $rc, $(basename "$json") $( [[ -s "$json" ]] && wc -c <"$json" || echo 0) bytes"
