@@ -35,7 +35,8 @@ void merge_states(const MergeStatesArgs& args) {
     for (int64_t d = 0; d < head_dim; ++d) {
       const float a = weight_a == 0 ? 0.f : weight_a * load_as_float(args.out_a.data, args.out_a.dtype, oa + d);
       const float b = weight_b == 0 ? 0.f : weight_b * load_as_float(args.out_b.data, args.out_b.dtype, ob + d);
-      store_from_float(args.out.data, args.out.dtype, oo + d, a + b);
+      // A side of weight 0 adds nothing, not even +0 (a -0 of the other side stays -0).
+      store_from_float(args.out.data, args.out.dtype, oo + d, weight_b == 0 ? a : weight_a == 0 ? b : a + b);
     }
     if (!args.lse_out.empty())
       static_cast<float*>(args.lse_out.data)[offset(args.lse_out, i, h)] = lse;

@@ -1,5 +1,6 @@
 // merge_states on the CPU against the float64 reference in attention_reference.hpp.
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -104,6 +105,30 @@ TEST(MergeStatesCpu, SidesWithoutKeys) {
           ASSERT_EQ(merged[size_t(row * 512 + c)], p.out_a.get(row * 512 + c));
       }
     }
+  }
+}
+
+// Merging with a side of weight 0 (lse -inf, or so far below the other that its weight rounds
+// to 0) returns the other side bit for bit, -0 included: the deterministic chunked prefix relies
+// on merges with a request's empty chunks changing nothing.
+TEST(MergeStatesCpu, AWeightlessSideLeavesEveryBitOfTheOther) {
+  const std::vector<Sides> sides = {Sides::kOnlyA, Sides::kOnlyB, Sides::kBoth};
+  MergeProblem p = make_problem(3, 4, 64, DType::kFP32, DType::kFP32, DType::kFP32, sides, 13);
+  for (int64_t row = 0; row < 12; ++row) {
+    if (sides[size_t(row) % sides.size()] == Sides::kBoth) p.lse_b.set(row, p.lse_a.get(row) - 200.0f);
+    for (int64_t c = 0; c < 64; c += 3) {  // signed zeros among the values
+      p.out_a.set(row * 64 + c, -0.0f);
+      p.out_b.set(row * 64 + c, -0.0f);
+    }
+  }
+  ASSERT_NO_THROW(merge_states(p.args));
+  for (int64_t row = 0; row < 12; ++row) {
+    const bool only_b = sides[size_t(row) % sides.size()] == Sides::kOnlyB;
+    const HostTensor& kept = only_b ? p.out_b : p.out_a;
+    EXPECT_EQ(0, std::memcmp(static_cast<const float*>(p.out.data()) + row * 64,
+                             static_cast<const float*>(kept.data()) + row * 64, 64 * sizeof(float)))
+        << "row " << row;
+    EXPECT_EQ(p.lse_out.get(row), (only_b ? p.lse_b : p.lse_a).get(row)) << "row " << row;
   }
 }
 

@@ -17,6 +17,7 @@
 // any strides, lse_out absent, in-place (out aliasing out_a or out_b, lse_out aliasing lse_a or
 // lse_b), a launch large enough for the grid-stride loop, a non-blocking stream, a CUDA graph.
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 #include "gpu_util.hpp"
@@ -316,6 +317,50 @@ TEST(GpuMergeStates, NonBlockingStreamAndCudaGraph) {
                   Alias::kOutIsB, true, 11}, Launch::kCudaGraph);
   run_merge_case({DType::kFP32, DType::kBF16, DType::kBF16, 12, 5, 7, Layout::kMisaligned,
                   Alias::kNone, false, 12}, Launch::kCudaGraph);
+}
+
+// A side of weight 0 (lse -inf, or 200 below the other) leaves the other side bit for bit, -0
+// included, on both the vectorised (Dv 512) and the element-wise (Dv 7) paths.
+TEST(GpuMergeStates, AWeightlessSideLeavesEveryBitOfTheOther) {
+  MLA_REQUIRE_GPU();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t dv : {512, 7}) {
+    const int64_t rows = 6;  // row % 3: only a, only b, both with b far below
+    HostTensor out_a(DType::kFP32, {rows, 1, dv}), out_b(DType::kFP32, {rows, 1, dv});
+    HostTensor lse_a(DType::kFP32, {rows, 1}), lse_b(DType::kFP32, {rows, 1});
+    HostTensor out(DType::kFP32, {rows, 1, dv}), lse_out(DType::kFP32, {rows, 1});
+    out.fill_nan();
+    lse_out.fill_nan();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < dv; ++c) {
+        out_a.set(r * dv + c, c % 3 == 0 ? -0.0f : 0.25f * float(c + r));
+        out_b.set(r * dv + c, c % 3 == 0 ? -0.0f : -0.5f * float(c + 1));
+      }
+      lse_a.set(r, r % 3 == 1 ? neg_inf : 1.5f + float(r));
+      lse_b.set(r, r % 3 == 0 ? neg_inf : r % 3 == 1 ? 0.75f : 1.5f + float(r) - 200.0f);
+    }
+    DeviceTensor d_out_a(out_a), d_out_b(out_b), d_lse_a(lse_a), d_lse_b(lse_b), d_out(out),
+        d_lse_out(lse_out);
+    mla::MergeStatesArgs args;
+    args.out_a = d_out_a.view();
+    args.out_b = d_out_b.view();
+    args.lse_a = d_lse_a.view();
+    args.lse_b = d_lse_b.view();
+    args.out = d_out.view();
+    args.lse_out = d_lse_out.view();
+    ASSERT_NO_THROW(mla::merge_states(args));
+    MLA_TEST_CUDA(cudaDeviceSynchronize());
+    d_out.download();
+    d_lse_out.download();
+    for (int64_t r = 0; r < rows; ++r) {
+      const bool only_b = r % 3 == 1;
+      const HostTensor& kept = only_b ? out_b : out_a;
+      EXPECT_EQ(0, std::memcmp(out.bytes.data() + size_t(r * dv) * 4, kept.bytes.data() + size_t(r * dv) * 4,
+                               size_t(dv) * 4))
+          << "Dv " << dv << ", row " << r;
+      EXPECT_EQ(lse_out.get(r), (only_b ? lse_b : lse_a).get(r)) << "Dv " << dv << ", row " << r;
+    }
+  }
 }
 
 }  // namespace

@@ -7,7 +7,8 @@
 // are aligned and Dv * elem is a multiple of 16; element by element otherwise):
 //   out = w_a * a + w_b * b  (each product rounded, no fma, as on the CPU).
 // A side with lse -inf has weight exactly 0 and its values are never read, so NaN or garbage in
-// an empty side cannot leak; both -inf gives out 0 and lse -inf.
+// an empty side cannot leak; both -inf gives out 0 and lse -inf. A side of weight 0 is not added
+// at all, so merging with an empty side returns the other side's values bit for bit (-0 too).
 //
 // Aliasing: out may be out_a or out_b (each value is read and written by the same thread), and
 // lse_out may be lse_a or lse_b: the lanes read both LSEs before a __syncwarp, after which lane 0
@@ -128,7 +129,9 @@ __global__ void __launch_bounds__(128) merge_states_kernel(const __grid_constant
       for (int k = 0; k < kChunk; ++k) {
         const float wa = weight_a == 0 ? 0.f : __fmul_rn(weight_a, a[k]);
         const float wb = weight_b == 0 ? 0.f : __fmul_rn(weight_b, b[k]);
-        merged[k] = __fadd_rn(wa, wb);
+        // A side of weight 0 adds nothing, not even +0: a -0 of the other side stays -0, so
+        // merging with an empty side leaves every bit in place.
+        merged[k] = weight_b == 0 ? wa : weight_a == 0 ? wb : __fadd_rn(wa, wb);
       }
       store_values(p.out, p.out_dtype, oo + d, count, p.vectorised, merged);
     }
