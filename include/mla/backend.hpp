@@ -87,7 +87,9 @@ struct BackendConfig {
   // mla_decode with MlaDecodeArgs::deterministic (unsplit: no split-KV schedule is planned or
   // allocated); EXTEND's chunked path uses deterministic prefix chunks (mla/plan.hpp), and the
   // kAuto choice between the two paths, which depends on the whole batch, becomes kChunked.
-  // Slower where splitting pays (a few long requests); about as fast at large batches.
+  // Slower where splitting pays (a few long requests); about as fast at large batches. The
+  // chunked path's up_project callback must then give each row the same bits whatever the
+  // number of rows of the call (a chunk's row count depends on the other requests).
   bool deterministic = false;
 };
 

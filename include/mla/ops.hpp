@@ -147,7 +147,8 @@ struct MlaDecodeArgs {
   bool check_metadata = false;
   // Deterministic mode (DESIGN §5): each request's output and LSE rows are bit-identical whatever
   // the other requests of the batch, its place in it, the batch size and max_q_len, and on every
-  // run, for given heads, dtypes, page size and device. On the GPU every request's rows are cut
+  // run, for given heads, dtypes, page size, query layout and device (kAuto's kernel also
+  // depends on the query rows' alignment and the pool's size). On the GPU every request's rows are cut
   // into tiles of 64 rows (also where fewer rows would fit a narrower tile), each tile's keys are
   // attended by one thread block in order (no split-KV: `schedule` must be null), and kAuto picks
   // the kernel from everything but the batch size. Slower where splitting pays (few requests
@@ -168,8 +169,9 @@ const char* mla_decode_kernel_name(const MlaDecodeArgs& args);
 //    score = (q · k) * softmax_scale * q_scale * k_scale; out = softmax(score) · v * v_scale.
 //    The CPU path checks the offsets and throws. On the GPU they are device data read by the
 //    kernel: each is clamped to [0, Tq] / [0, Tk] (a request whose end precedes its start has no
-//    rows), so a bad one never reads or writes outside the tensors, and a request's rows past
-//    max_q_len come out NaN.
+//    rows), so a bad one never reads or writes outside the tensors (it can still mix or overwrite
+//    other requests' rows), and a request's rows that the launch does not cover (past
+//    ceil(max_q_len / 64) * 64) come out NaN.
 struct MhaPrefillArgs {
   TensorView q;            // [Tq, H, 192] bf16/fp16/fp8e4m3, inner stride 1
   TensorView k;            // [Tk, H, 192] same dtype as q

@@ -306,6 +306,9 @@ class MlaBackend:
         self.max_context_len = req_to_token.shape[1]
         self.num_draft_tokens = num_draft_tokens or 0
         self.disable_chunked_prefix_cache = disable_chunked_prefix_cache
+        if chunked_prefix_capacity < 1:
+            raise ValueError(f"MlaBackend: chunked_prefix_capacity must be >= 1, got "
+                             f"{chunked_prefix_capacity}")
         self.chunked_prefix_capacity = chunked_prefix_capacity
         self.prefill_fp8 = (kv_cache_dtype == torch.float8_e4m3fn) if prefill_fp8 is None else prefill_fp8
         self.skip_prefill = skip_prefill
@@ -422,10 +425,10 @@ class MlaBackend:
         kv_lens = (seq_lens + offset).to(torch.int32) if offset else seq_lens.to(torch.int32)
         max_kv = host_max + offset if host_max is not None else self.max_context_len
         if block_table is None:
-            # -1 (keys read as zeros) where the GPU's build_block_table leaves a row untouched:
-            # a device length past this width (stale *_cpu lengths) must not reach stale memory.
-            block_table = torch.full((bs, self._max_blocks(max_kv)), -1, dtype=torch.int32,
-                                     device=self.device)
+            # build_block_table writes every entry: page ids, then -1; on the GPU also -1 over a
+            # row whose device length is past this width (stale *_cpu lengths).
+            block_table = torch.empty((bs, self._max_blocks(max_kv)), dtype=torch.int32,
+                                      device=self.device)
             if bs > 0:
                 ops.build_block_table(self.req_to_token, forward_batch.req_pool_indices[:bs],
                                       kv_lens, self.page_size, block_table)

@@ -93,8 +93,8 @@ std::vector<PrefixChunk> split_prefix_into_chunks(std::span<const int32_t> prefi
   } else {
     int64_t chunk_first = 0;
     for (size_t b = 0; b < batch; ++b)
-      for (int64_t piece = offset[b]; piece < offset[b + 1]; piece += chunk_capacity) {
-        const int64_t piece_end = std::min(offset[b + 1], piece + chunk_capacity);
+      for (int64_t piece = offset[b], piece_end = 0; piece < offset[b + 1]; piece = piece_end) {
+        piece_end = piece + std::min(chunk_capacity, offset[b + 1] - piece);  // no overflow
         if (piece > chunk_first && piece_end - chunk_first > chunk_capacity) {
           ends.push_back(piece);
           chunk_first = piece;
