@@ -707,7 +707,9 @@ DecodeData sub_batch(const DecodeData& d, const std::vector<int>& which) {
 // Deterministic mode: one request's rows are bit-identical alone, first or last in a small batch,
 // and inside a batch of 40 (past kAuto's batch rule of 32 for 16 rows, with a larger max_q_len
 // that would pick wider tiles), and from run to run; the batch is also checked against the
-// float64 reference.
+// float64 reference. At 16 heads the mode's choices differ from the default ones (64-row tiles,
+// the Hopper kernel below a batch of 32); at 128 heads they are the default unsplit ones, and the
+// case guards the unsplit kernels' own independence of the batch.
 TEST(GpuDecodeDeterministic, RequestBitsDoNotDependOnTheBatch) {
   MLA_REQUIRE_GPU();
   for (int heads : {16, 128}) {
