@@ -1075,6 +1075,126 @@ TEST(GpuBackend, ExtendChunkedAndAbsorbedMatchCpuBackend) {
 // ---------------------------------------------------------------------------------------------
 // IDLE and empty batches
 
+// The requests `which` of `all` (in that order) as a batch of their own: the same slots, query
+// rows and new tokens, fresh NaN outputs (host copies; upload() before use).
+ExtendBatch sub_batch(const ExtendBatch& all, const std::vector<int>& which) {
+  std::vector<int64_t> first(all.slots.size() + 1, 0);
+  for (size_t b = 0; b < all.slots.size(); ++b) first[b + 1] = first[b] + all.extend[b];
+  ExtendBatch s;
+  s.heads = all.heads;
+  std::vector<int64_t> rpi, seq, loc;
+  for (int b : which) {
+    s.slots.push_back(all.slots[size_t(b)]);
+    s.prefix.push_back(all.prefix[size_t(b)]);
+    s.extend.push_back(all.extend[size_t(b)]);
+    s.seq_lens_cpu.push_back(all.seq_lens_cpu[size_t(b)]);
+    s.num_tokens += all.extend[size_t(b)];
+    rpi.push_back(all.slots[size_t(b)]);
+    seq.push_back(all.seq_lens_cpu[size_t(b)]);
+  }
+  auto rows = [&](const HostTensor& t) {  // the chosen requests' token rows, in order
+    std::vector<int64_t> shape = t.shape;
+    shape[0] = s.num_tokens;
+    HostTensor out(t.dtype, shape);
+    const size_t row_bytes = t.shape[0] ? t.bytes.size() / size_t(t.shape[0]) : 0;
+    size_t at = 0;
+    for (int b : which) {
+      const size_t n = size_t(all.extend[size_t(b)]) * row_bytes;
+      std::memcpy(out.bytes.data() + at, t.bytes.data() + size_t(first[size_t(b)]) * row_bytes, n);
+      at += n;
+    }
+    return out;
+  };
+  s.q = rows(all.q);
+  s.k = rows(all.k);
+  s.v = rows(all.v);
+  s.q_abs = rows(all.q_abs);
+  s.k_nope = rows(all.k_nope);
+  s.k_pe = rows(all.k_pe);
+  s.out_cache_loc = rows(all.out_cache_loc);
+  s.out = nan_tensor(DType::kBF16, {s.num_tokens, s.heads, 128});
+  s.lse = nan_tensor(DType::kFP32, {s.num_tokens, s.heads});
+  s.out_abs = nan_tensor(DType::kBF16, {s.num_tokens, s.heads, kKvLoraRank});
+  s.lse_abs = nan_tensor(DType::kFP32, {s.num_tokens, s.heads});
+  s.req_pool_indices = index_tensor(DType::kInt32, rpi);
+  s.seq_lens = index_tensor(DType::kInt32, seq);
+  return s;
+}
+
+// BackendConfig::deterministic on the GPU: request 1's EXTEND rows (23 cached tokens, pieces of
+// 8, 8 and 7) have the same bits alone, behind a 5-token prefix and ahead of others, on the
+// chunked path (kAuto) and the absorbed one; the prefill kernel, the merges with empty chunks
+// and the unsplit decode must all keep them (the CPU test shows the default chunked path moving
+// them).
+TEST(GpuBackend, DeterministicExtendRequestBitsDoNotDependOnTheBatch) {
+  MLA_REQUIRE_GPU();
+  std::mt19937_64 rng(4243);
+  const int heads = 16;
+  UpProjection proj(heads, rng);
+  Pool pool(8, 64, 512, 6, DType::kBF16, rng());
+  ExtendBatch all = make_extend_batch(pool, proj, {4, 1, 2, 5}, {5, 23, 13, 0}, {3, 4, 2, 1}, rng);
+  pool.upload();
+  all.upload();
+  CudaStream stream;
+  {  // the new tokens' latents into the cache, for the absorbed path
+    Backend saver(make_config(pool, heads, true, DType::kBF16));
+    const ForwardBatch batch = all.batch(true);
+    saver.init_forward_metadata(batch, stream.get());
+    saver.save_latent_kv(batch, make_layer(pool, true), all.d_k_nope.view(), all.d_k_pe.view(),
+                         stream.get());
+    MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+  }
+  const std::vector<std::vector<int>> batches = {{1}, {0, 1}, {1, 2, 3}, {0, 1, 2, 3}};
+  for (const ExtendPrefixPath path : {ExtendPrefixPath::kAuto, ExtendPrefixPath::kAbsorbed}) {
+    const bool absorbed = path == ExtendPrefixPath::kAbsorbed;
+    SCOPED_TRACE(absorbed ? "absorbed" : "chunked");
+    std::vector<HostTensor> outs, lses;  // request 1's rows in each batch
+    for (const std::vector<int>& which : batches) {
+      ExtendBatch b = sub_batch(all, which);
+      b.upload();
+      BackendConfig config = make_config(pool, heads, true, DType::kBF16);
+      config.prefix_chunk_capacity = 8;
+      config.extend_prefix_path = path;
+      config.absorbed_max_extend_len = 1000;  // kAuto alone would take the absorbed path
+      config.deterministic = true;
+      config.workspace_bytes = std::max(Backend::chunked_extend_workspace_bytes(config, b.num_tokens),
+                                        Workspace::kDefaultBytes);
+      Backend gpu(config);
+      const ForwardBatch batch = b.batch(true);
+      gpu.init_forward_metadata(batch, stream.get());
+      ASSERT_EQ(gpu.plan().extend.use_absorbed, absorbed);
+      EXPECT_EQ(gpu.plan().schedule, nullptr);
+      std::vector<HostTensor> latents;
+      if (absorbed) {
+        AbsorbedAttentionArgs a = b.absorbed_args(true);
+        a.save_kv_cache = false;
+        gpu.forward_extend_absorbed(batch, make_layer(pool, true), a, stream.get());
+      } else {
+        gpu.forward_extend_chunked(batch, make_layer(pool, true), b.mha_args(true),
+                                   make_up_project(proj, pool, true, raw(stream), latents), stream.get());
+      }
+      MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+      int64_t t0 = 0;
+      for (int r : which) {
+        if (r == 1) break;
+        t0 += all.extend[size_t(r)];
+      }
+      const HostTensor out = absorbed ? b.d_out_abs.download() : b.d_out.download();
+      const HostTensor lse = absorbed ? b.d_lse_abs.download() : b.d_lse.download();
+      const size_t out_row = out.bytes.size() / size_t(b.num_tokens), lse_row = lse.bytes.size() / size_t(b.num_tokens);
+      HostTensor o(out.dtype, {4, heads, out.shape[2]}), l(DType::kFP32, {4, heads});
+      std::memcpy(o.bytes.data(), out.bytes.data() + size_t(t0) * out_row, 4 * out_row);
+      std::memcpy(l.bytes.data(), lse.bytes.data() + size_t(t0) * lse_row, 4 * lse_row);
+      outs.push_back(std::move(o));
+      lses.push_back(std::move(l));
+    }
+    for (size_t i = 1; i < outs.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(outs[i], outs[0])) << "out, batch " << i;
+      EXPECT_TRUE(bitwise_equal(lses[i], lses[0])) << "lse, batch " << i;
+    }
+  }
+}
+
 TEST(GpuBackend, IdleAndEmptyBatchesDoNothing) {
   MLA_REQUIRE_GPU();
   const int heads = 16;
