@@ -205,4 +205,13 @@ struct MergeStatesArgs {
 };
 void merge_states(const MergeStatesArgs& args, Stream stream = nullptr);
 
+// ---------------------------------------------------------------------------------------------
+// 7. cumulative_lengths: cu[0] = 0, cu[b + 1] = cu[b] + lens[b], as int32: the prefix sums of a
+//    plan (cu_q_lens from the queries per request), computed where the tensors are. On a GPU it
+//    is one small kernel with no host copy and no allocation, so a CUDA-graph engine can update
+//    its fixed buffers with it before each replay. lens [B] int32/int64 (any stride); cu [B + 1]
+//    int32, contiguous, not overlapping lens. The CPU path throws on a negative length or a total
+//    past 2^31 - 1; the GPU path does not see the values (no host copy) and sums them as given.
+void cumulative_lengths(const TensorView& lens, const TensorView& cu, Stream stream = nullptr);
+
 }  // namespace mla

@@ -1,6 +1,7 @@
 // The planner: block-table widths and contents, prefix chunking, the EXTEND path decision, and
 // the device metadata an EXTEND plan holds (slots, cumulative lengths).
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
 #include <numeric>
 #include <random>
@@ -15,6 +16,7 @@ namespace mla {
 namespace {
 
 using test::HostTensor;
+using test::int32_tensor;
 using test::throws_error;
 
 std::vector<int32_t> read_int32(const TensorView& t) {
@@ -343,6 +345,39 @@ TEST(Planner, ExtendPlanDeviceMetadata) {
 }
 
 // The memory layer's CPU path (the CUDA path runs the same helpers as kernels).
+TEST(Ops, CumulativeLengths) {
+  // int32 and strided int64 lengths, zeros among them; an empty batch gives cu = {0}.
+  HostTensor lens = int32_tensor({3, 0, 7, 1});
+  HostTensor cu(DType::kInt32, {5});
+  std::memset(cu.data(), 0xff, cu.bytes.size());
+  ASSERT_NO_THROW(cumulative_lengths(lens.view(), cu.view()));
+  EXPECT_EQ(std::vector<int32_t>(static_cast<const int32_t*>(cu.data()), static_cast<const int32_t*>(cu.data()) + 5),
+            (std::vector<int32_t>{0, 3, 3, 10, 11}));
+  std::vector<int64_t> wide = {5, -1, 2, -1, 9, -1};  // every other element
+  const TensorView strided = TensorView::strided(wide.data(), DType::kInt64, {3}, {2}, Device::cpu());
+  HostTensor cu3(DType::kInt32, {4});
+  ASSERT_NO_THROW(cumulative_lengths(strided, cu3.view()));
+  EXPECT_EQ(std::vector<int32_t>(static_cast<const int32_t*>(cu3.data()), static_cast<const int32_t*>(cu3.data()) + 4),
+            (std::vector<int32_t>{0, 5, 7, 16}));
+  HostTensor none(DType::kInt32, {0}), cu1(DType::kInt32, {1});
+  std::memset(cu1.data(), 0xff, cu1.bytes.size());
+  ASSERT_NO_THROW(cumulative_lengths(none.view(), cu1.view()));
+  EXPECT_EQ(*static_cast<const int32_t*>(cu1.data()), 0);
+  // Bad input names the argument.
+  HostTensor neg = int32_tensor({2, -4});
+  EXPECT_TRUE(throws_error([&] { cumulative_lengths(neg.view(), TensorView::contiguous(cu3.data(), DType::kInt32, {3}, Device::cpu())); },
+                           {"cumulative_lengths", "lens[1]", ">= 0"}));
+  HostTensor big = int32_tensor({INT32_MAX, 1});
+  EXPECT_TRUE(throws_error([&] { cumulative_lengths(big.view(), TensorView::contiguous(cu3.data(), DType::kInt32, {3}, Device::cpu())); },
+                           {"cumulative_lengths", "lens[1]", "2^31 - 1"}));
+  EXPECT_TRUE(throws_error([&] { cumulative_lengths(lens.view(), cu3.view()); }, {"cu", "shape[0]"}));
+  HostTensor f(DType::kFP32, {4});
+  EXPECT_TRUE(throws_error([&] { cumulative_lengths(f.view(), cu.view()); }, {"cumulative_lengths", "lens"}));
+  // In place over its own lengths (cu[1:] holding them) is refused: cu must not overlap lens.
+  EXPECT_TRUE(throws_error([&] { cumulative_lengths(TensorView::contiguous(static_cast<int32_t*>(cu.data()) + 1, DType::kInt32, {4}, Device::cpu()), cu.view()); },
+                           {"cumulative_lengths", "overlaps"}));
+}
+
 TEST(MemoryLayer, BuffersAreZeroedAlignedAndMovable) {
   detail::Buffer buffer(1000, Device::cpu());
   ASSERT_NE(buffer.data(), nullptr);

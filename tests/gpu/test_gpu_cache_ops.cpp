@@ -421,4 +421,47 @@ TEST(GpuBuildBlockTable, NonBlockingStreamAndCudaGraph) {
                  Launch::kCudaGraph);
 }
 
+// cumulative_lengths on the GPU: int32 and strided int64 lengths, eager and inside a CUDA graph
+// replayed with new lengths (what a graph engine does with DRAFT_EXTEND's query counts).
+TEST(GpuCumulativeLengths, MatchesTheHostSumsEagerAndInAGraph) {
+  MLA_REQUIRE_GPU();
+  std::mt19937_64 rng(71);
+  for (int64_t batch : {0, 1, 7, 300, 1000}) {
+    for (DType dtype : {DType::kInt32, DType::kInt64}) {
+      const int64_t stride = dtype == DType::kInt64 ? 3 : 1;
+      std::vector<int64_t> values(size_t(std::max<int64_t>(1, batch * stride)), -1);
+      std::vector<int32_t> expected(size_t(batch) + 1, 0);
+      for (int64_t b = 0; b < batch; ++b) {
+        values[size_t(b * stride)] = int64_t(rng() % 9);
+        expected[size_t(b) + 1] = expected[size_t(b)] + int32_t(values[size_t(b * stride)]);
+      }
+      HostTensor lens = mla::test::index_tensor(dtype, values);
+      HostTensor cu(DType::kInt32, {batch + 1});
+      std::memset(cu.data(), 0xff, cu.bytes.size());
+      DeviceTensor d_lens(lens), d_cu(cu);
+      const TensorView lens_view = TensorView::strided(d_lens.ptr, dtype, {batch}, {stride}, mla::Device::cuda(0));
+      ASSERT_NO_THROW(mla::cumulative_lengths(lens_view, d_cu.view()));
+      MLA_TEST_CUDA(cudaDeviceSynchronize());
+      d_cu.download();
+      EXPECT_EQ(0, std::memcmp(cu.data(), expected.data(), expected.size() * 4)) << "batch " << batch;
+      if (batch == 0) continue;
+      // Captured in a CUDA graph (no host sync, no allocation) over new lengths, then replayed.
+      for (int64_t b = 0; b < batch; ++b) {
+        values[size_t(b * stride)] = int64_t(rng() % 5);
+        expected[size_t(b) + 1] = expected[size_t(b)] + int32_t(values[size_t(b * stride)]);
+      }
+      lens = mla::test::index_tensor(dtype, values);
+      d_lens.upload();
+      std::memset(cu.data(), 0xff, cu.bytes.size());
+      d_cu.upload();
+      ASSERT_TRUE(mla::test::run_in_cuda_graph([&](mla::Stream s) {
+        mla::cumulative_lengths(lens_view, d_cu.view(), s);
+      }));
+      MLA_TEST_CUDA(cudaDeviceSynchronize());
+      d_cu.download();
+      EXPECT_EQ(0, std::memcmp(cu.data(), expected.data(), expected.size() * 4)) << "graph, batch " << batch;
+    }
+  }
+}
+
 }  // namespace
