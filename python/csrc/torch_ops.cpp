@@ -462,6 +462,13 @@ void merge_states(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Te
   run(bind, [&](mla::Stream s) { mla::merge_states(args, s); });
 }
 
+void cumulative_lengths(const at::Tensor& lens, const at::Tensor& cu) {
+  Binder bind("cumulative_lengths");
+  const mla::TensorView lens_view = bind(lens, {"lens", "[B]", {-1}, kIndexDtypes});
+  const mla::TensorView cu_view = bind(cu, {"cu", "[B + 1]", {-1}, kInt32, Layout::kContiguous, true});
+  run(bind, [&](mla::Stream s) { mla::cumulative_lengths(lens_view, cu_view, s); });
+}
+
 }  // namespace
 }  // namespace mla_torch
 
@@ -487,6 +494,7 @@ TORCH_LIBRARY(mla, m) {
   m.def("merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, "
         "Tensor(a!) out, Tensor(b!)? lse_out) -> ()");
   // Which dispatch keys this build serves: torch.ops.mla.build_info() -> "cpu" or "cpu,cuda".
+  m.def("cumulative_lengths(Tensor lens, Tensor(a!) cu) -> ()");
   m.def("build_info() -> str", []() -> std::string {
 #if defined(MLA_WITH_CUDA)
     return "cpu,cuda";
@@ -502,7 +510,8 @@ TORCH_LIBRARY(mla, m) {
   m.impl("rope_quantize", &mla_torch::rope_quantize);             \
   m.impl("mla_decode", &mla_torch::mla_decode);                   \
   m.impl("mha_prefill", &mla_torch::mha_prefill);                 \
-  m.impl("merge_states", &mla_torch::merge_states)
+  m.impl("merge_states", &mla_torch::merge_states);               \
+  m.impl("cumulative_lengths", &mla_torch::cumulative_lengths)
 
 TORCH_LIBRARY_IMPL(mla, CPU, m) { MLA_TORCH_REGISTER_ALL(m); }
 TORCH_LIBRARY_IMPL(mla, Meta, m) { MLA_TORCH_REGISTER_ALL(m); }

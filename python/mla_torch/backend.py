@@ -80,8 +80,12 @@ _MODE_KINDS = {
 }
 
 
+def _mode_name(forward_mode: Any) -> str:
+    return getattr(forward_mode, "name", None) or str(forward_mode).split(".")[-1]
+
+
 def mode_kind(forward_mode: Any) -> str:
-    name = getattr(forward_mode, "name", None) or str(forward_mode).split(".")[-1]
+    name = _mode_name(forward_mode)
     try:
         return _MODE_KINDS[name]
     except KeyError:
@@ -241,6 +245,15 @@ def _check_host_lengths(name: str, lens: Any, bs: int, offset: int = 0) -> None:
                          f"must be in [0, 2^31 - 1]")
 
 
+def _host_list(lens: Any, bs: int) -> Optional[List[int]]:
+    """The first bs host lengths as Python ints (engines pass lists or CPU tensors), or None."""
+    if lens is None:
+        return None
+    if isinstance(lens, Tensor):
+        return [int(x) for x in lens[:bs].tolist()]
+    return [int(x) for x in list(lens)[:bs]]
+
+
 def _extend_lens(forward_batch: Any, bs: int) -> Tensor:
     """The first bs of forward_batch.extend_seq_lens (new tokens per request), required."""
     lens = getattr(forward_batch, "extend_seq_lens", None)
@@ -319,6 +332,7 @@ class MlaBackend:
         self.use_split_kv = use_split_kv and not self.deterministic and self.device.type == "cuda" and \
             torch.ops.mla.build_info() != "cpu"
         self.decode_workspace = decode_workspace
+        self.extend_workspace: Optional[ops.DecodeWorkspace] = None  # EXTEND's absorbed path
         self.kv_lora_rank = ops.KV_LORA_RANK
         self.qk_rope_head_dim = ops.ROPE_DIM
         self.kv_cache_dim = ops.LATENT_DIM
@@ -380,7 +394,17 @@ class MlaBackend:
     def _max_blocks(self, max_kv_len: int) -> int:
         return max(1, _cdiv(min(max_kv_len, self.max_context_len), self.page_size))
 
-    def _workspace(self, md: DecodeMetadata) -> dict:
+    def _workspace(self, md: DecodeMetadata, kind: str) -> dict:
+        if kind == _EXTEND:
+            # EXTEND's long query counts get a workspace of their own (eager only), so that the
+            # decode family's (shared by draft steps, sized for the graphs' batches) does not grow
+            # to the largest batch times the longest extend.
+            if self.extend_workspace is None:
+                self.extend_workspace = ops.DecodeWorkspace(md.batch_size, md.max_q_len,
+                                                            self.num_q_heads, self.device)
+            else:
+                self.extend_workspace.grow(md.batch_size, md.max_q_len)
+            return self.extend_workspace.kwargs()
         if self.decode_workspace is None:
             self.decode_workspace = ops.DecodeWorkspace(md.batch_size, md.max_q_len,
                                                         self.num_q_heads, self.device)
@@ -413,7 +437,7 @@ class MlaBackend:
             lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
             _check_host_lengths("extend_seq_lens_cpu", lens_cpu, bs)
             if lens_cpu is not None:
-                max_q_len = max(lens_cpu[:bs], default=0)
+                max_q_len = max(_host_list(lens_cpu, bs), default=0)
             elif kind == _DRAFT_EXTEND and self.num_draft_tokens:
                 max_q_len = self.num_draft_tokens
             else:
@@ -441,18 +465,20 @@ class MlaBackend:
         if lens_cpu is None:
             raise ValueError("MlaBackend: EXTEND is planned from host lengths: "
                              "extend_seq_lens_cpu is required")
-        prefix_cpu = getattr(forward_batch, "extend_prefix_lens_cpu", None) or [0] * bs
-        _check_host_lengths("extend_prefix_lens_cpu", prefix_cpu, bs)
-        has_prefix = any(p > 0 for p in prefix_cpu[:bs])
+        # Host lengths come as lists or CPU tensors (e.g. extend_prefix_lens.cpu()).
+        prefix_given = getattr(forward_batch, "extend_prefix_lens_cpu", None)
+        _check_host_lengths("extend_prefix_lens_cpu", prefix_given, bs)
+        prefix_cpu = _host_list(prefix_given, bs) if prefix_given is not None else [0] * bs
+        has_prefix = any(p > 0 for p in prefix_cpu)
         use_chunked = has_prefix and not self.disable_chunked_prefix_cache
         # (extend_seq_lens_cpu is checked by the absorbed plan below)
         md = PrefillMetadata(bs, _cu_lens(_extend_lens(forward_batch, bs)),
-                             max(lens_cpu[:bs], default=0), has_prefix, use_chunked)
+                             max(_host_list(lens_cpu, bs), default=0), has_prefix, use_chunked)
         # The absorbed path serves prefixes when chunking is off, and any engine that calls
         # forward_extend with the absorbed (576-wide) layer.
         md.absorbed = self._plan_absorbed(forward_batch, _EXTEND)
         if use_chunked and getattr(forward_batch, "prefix_chunk_cu_seq_lens", None) is None:
-            self._plan_prefix_chunks(forward_batch, prefix_cpu[:bs])
+            self._plan_prefix_chunks(forward_batch, prefix_cpu)
         return md
 
     def _chunk_ranges(self, prefix_cpu: List[int]) -> List[Tuple[List[int], List[int]]]:
@@ -537,6 +563,7 @@ class MlaBackend:
                                                      device=self.device)
         self.cuda_graph_kv_lens = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         self.cuda_graph_cu_q_lens = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self.cuda_graph_q_lens = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         self.cuda_graph_max_bs = max_bs
         self.cuda_graph_max_num_tokens = max_num_tokens
         if self.use_split_kv:  # big enough for every captured batch, so capture never allocates
@@ -573,18 +600,31 @@ class MlaBackend:
 
     def _fill_graph_metadata(self, md: DecodeMetadata, kind: str, req_pool_indices: Tensor,
                              seq_lens: Tensor, extend_seq_lens: Optional[Tensor],
-                             build_block_table: bool = True) -> None:
+                             build_block_table: bool = True, spec_info: Any = None,
+                             forward_mode: Any = None) -> None:
         """Updates the persistent buffers in place, on the device, allocating nothing."""
         bs = md.batch_size
         md.kv_lens.copy_(seq_lens[:bs])  # converts to int32 in the copy kernel
         if kind == _VERIFY:
             md.kv_lens.add_(md.q_len)
         elif kind == _DRAFT_EXTEND:
-            if extend_seq_lens is not None:
-                md.cu_q_lens[1:].copy_(extend_seq_lens[:bs])
-            else:  # capture without lengths: every request at the bound
-                md.cu_q_lens[1:].fill_(self.num_draft_tokens)
-            md.cu_q_lens[1:].cumsum_(0)
+            # Queries per request: extend_seq_lens when given; else DRAFT_EXTEND packs each
+            # request's accepted tokens (spec_info.accept_length), and DRAFT_EXTEND_V2 pads every
+            # request to num_draft_tokens.
+            lens = extend_seq_lens
+            v2 = _mode_name(forward_mode) == "DRAFT_EXTEND_V2"
+            if lens is None and not v2:
+                lens = getattr(spec_info, "accept_length", None) if spec_info is not None else None
+            if lens is not None:
+                if lens.dim() != 1 or lens.shape[0] < bs:
+                    raise ValueError(f"MlaBackend: DRAFT_EXTEND needs the queries of all {bs} "
+                                     f"requests of the graph (extend_seq_lens or "
+                                     f"spec_info.accept_length), got shape {list(lens.shape)}")
+                q_lens = lens[:bs]
+            else:
+                q_lens = self.cuda_graph_q_lens[:bs]
+                q_lens.fill_(self.num_draft_tokens)
+            ops.cumulative_lengths(q_lens, md.cu_q_lens)
         elif kind in (_DECODE, _IDLE) and self.step_offset:
             md.kv_lens.add_(self.step_offset)
         if build_block_table and bs > 0:
@@ -599,10 +639,11 @@ class MlaBackend:
                                                  extend_seq_lens: Optional[Tensor] = None,
                                                  build_block_table: bool = True) -> None:
         kind = mode_kind(forward_mode)
+        self.forward_decode_metadata = None  # none until this one is filled
         md = self._graph_metadata(bs, kind, spec_info)
-        self.decode_cuda_graph_metadata[(bs, kind)] = md
         self._fill_graph_metadata(md, kind, req_pool_indices, seq_lens, extend_seq_lens,
-                                  build_block_table)
+                                  build_block_table, spec_info, forward_mode)
+        self.decode_cuda_graph_metadata[(bs, kind)] = md
         self.forward_decode_metadata = md
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: Tensor,
@@ -614,11 +655,14 @@ class MlaBackend:
                                                 extend_seq_lens: Optional[Tensor] = None,
                                                 build_block_table: bool = True) -> None:
         kind = mode_kind(forward_mode)
+        # A replay that fails half way (a bad index) leaves no plan: the buffers may hold part of
+        # the new batch and part of the old one.
+        self.forward_decode_metadata = None
         md = self.decode_cuda_graph_metadata.get((bs, kind))
         if md is None:
             raise RuntimeError(f"MlaBackend: no graph was captured for batch size {bs} in {kind}")
         self._fill_graph_metadata(md, kind, req_pool_indices, seq_lens, extend_seq_lens,
-                                  build_block_table)
+                                  build_block_table, spec_info, forward_mode)
         self.forward_decode_metadata = md
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
@@ -725,7 +769,7 @@ class MlaBackend:
             ops.append_latent_kv(k_nope, k_pe, forward_batch.out_cache_loc, kv_cache, k_scale)
         out = torch.empty((num_tokens, num_heads, self.kv_lora_rank), dtype=self.q_data_type,
                           device=q.device)
-        ws = self._workspace(md) if self.use_split_kv else {}
+        ws = self._workspace(md, kind) if self.use_split_kv else {}
         ops.mla_decode(kv_cache, md.block_table, md.kv_lens, layer.scaling, q=query, q_nope=q_nope,
                        q_pe=q_pe, cu_q_lens=md.cu_q_lens, q_len=md.q_len or 1,
                        max_q_len=md.max_q_len, k_scale=k_scale, out=out,
@@ -933,13 +977,19 @@ class MlaMultiStepDraftBackend:
     def _each(self, forward_batch: Any, capture: bool, bs: int) -> None:
         n = len(self.attn_backends)
         # Kv lengths first for every step, then one block table at the longest step's lengths.
-        for i, backend in enumerate(self.attn_backends):
-            args = (bs, forward_batch.req_pool_indices, forward_batch.seq_lens)
-            kw = dict(forward_mode=ForwardMode.DECODE, build_block_table=(i == n - 1))
-            if capture:
-                backend.init_forward_metadata_capture_cuda_graph(bs, bs, *args[1:], **kw)
-            else:
-                backend.init_forward_metadata_replay_cuda_graph(*args, **kw)
+        try:
+            for i, backend in enumerate(self.attn_backends):
+                args = (bs, forward_batch.req_pool_indices, forward_batch.seq_lens)
+                kw = dict(forward_mode=ForwardMode.DECODE, build_block_table=(i == n - 1))
+                if capture:
+                    backend.init_forward_metadata_capture_cuda_graph(bs, bs, *args[1:], **kw)
+                else:
+                    backend.init_forward_metadata_replay_cuda_graph(*args, **kw)
+        except Exception:
+            # The steps share the block table the last one builds: none keeps a plan.
+            for backend in self.attn_backends:
+                backend.forward_decode_metadata = None
+            raise
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: Any) -> None:
         self._each(forward_batch, True, int(forward_batch.batch_size))

@@ -111,6 +111,16 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
     return (out, lse) if lse is not None else out
 
 
+def cumulative_lengths(lens: Tensor, cu: Optional[Tensor] = None) -> Tensor:
+    """cu[0] = 0, cu[b + 1] = cu[b] + lens[b] (int32), on the tensors' device: on CUDA one small
+    kernel with no host copy and no allocation (for CUDA-graph buffers updated before a replay).
+    cu [B + 1] int32 must not overlap lens. Returns cu."""
+    if cu is None:
+        cu = torch.empty(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
+    torch.ops.mla.cumulative_lengths(lens, cu)
+    return cu
+
+
 def decode_workspace_bytes(max_batch: int, max_q_len: int, num_heads: int) -> int:
     """Bytes of the split-KV workspace of mla_decode for the given capacity (CUDA builds, on the
     current CUDA device)."""
@@ -135,13 +145,16 @@ class DecodeWorkspace:
     def grow(self, max_batch: int, max_q_len: int) -> None:
         if self.buffer is not None and max_batch <= self.max_batch and max_q_len <= self.max_q_len:
             return
-        self.max_batch = max(max_batch, self.max_batch, 1)
-        self.max_q_len = max(max_q_len, self.max_q_len, 1)
+        new_batch = max(max_batch, self.max_batch, 1)
+        new_q_len = max(max_q_len, self.max_q_len, 1)
+        # Sized and allocated before anything changes: a capacity that is too large (or out of
+        # memory) raises and leaves the workspace as it was.
         with torch.cuda.device(self.device):
-            nbytes = decode_workspace_bytes(self.max_batch, self.max_q_len, self.num_heads)
+            nbytes = decode_workspace_bytes(new_batch, new_q_len, self.num_heads)
+        buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         if self.buffer is not None:
             self._replaced.append(self.buffer)
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.buffer, self.max_batch, self.max_q_len = buffer, new_batch, new_q_len
 
     def kwargs(self) -> dict:
         return dict(workspace=self.buffer, workspace_max_batch=self.max_batch,

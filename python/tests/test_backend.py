@@ -217,6 +217,70 @@ def test_graph_buffers_update_in_place(mode):
     assert backend.forward_decode_metadata.block_table.data_ptr() == ptrs[0]
 
 
+def test_draft_extend_graph_queries_from_accept_length_or_padded():
+    """DRAFT_EXTEND replays without extend_seq_lens: the accepted tokens per request
+    (spec_info.accept_length) when the mode is DRAFT_EXTEND, num_draft_tokens each under
+    DRAFT_EXTEND_V2 (whose queries are padded); too short a length tensor is an error."""
+    class EngineMode(enum.IntEnum):
+        DRAFT_EXTEND = 5
+        DRAFT_EXTEND_V2 = 7
+
+    backend, _ = make_backend()
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=12)
+    req_buf = torch.zeros(4, dtype=torch.int64)
+    len_buf = torch.ones(4, dtype=torch.int64)
+    spec = SimpleNamespace(draft_token_num=3, accept_length=torch.tensor([1, 3, 2, 1], dtype=torch.int32))
+    for mode, cu in [(EngineMode.DRAFT_EXTEND, [0, 1, 4, 6]), (EngineMode.DRAFT_EXTEND_V2, [0, 3, 6, 9])]:
+        backend.init_forward_metadata_capture_cuda_graph(3, 9, req_buf, len_buf, None, mode, spec)
+        assert backend.forward_decode_metadata.cu_q_lens.tolist() == cu
+        spec.accept_length[:3] = torch.tensor([2, 2, 3])
+        backend.init_forward_metadata_replay_cuda_graph(3, req_buf, len_buf, -1, None, mode, spec)
+        expected = [0, 2, 4, 7] if mode == EngineMode.DRAFT_EXTEND else [0, 3, 6, 9]
+        assert backend.forward_decode_metadata.cu_q_lens.tolist() == expected
+        spec.accept_length[:3] = torch.tensor([1, 3, 2])
+    with pytest.raises(ValueError, match="queries of all 3 requests"):
+        backend.init_forward_metadata_replay_cuda_graph(
+            3, req_buf, len_buf, -1, None, EngineMode.DRAFT_EXTEND, spec,
+            extend_seq_lens=torch.tensor([1, 1]))
+    assert backend.forward_decode_metadata is None  # a failed replay leaves no plan
+
+
+def test_a_failed_replay_leaves_no_plan():
+    """A replay that fails half way (a request slot out of range) leaves no plan to run with,
+    for a single backend and for every step of a multi-step draft backend."""
+    backend, _ = make_backend()
+    backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
+    req_buf = torch.tensor([0, 1])
+    len_buf = torch.tensor([9, 3])
+    backend.init_forward_metadata_capture_cuda_graph(2, 2, req_buf, len_buf)
+    assert backend.forward_decode_metadata is not None
+    with pytest.raises(RuntimeError, match="req_pool_indices"):
+        backend.init_forward_metadata_replay_cuda_graph(2, torch.tensor([0, 99]), len_buf)
+    assert backend.forward_decode_metadata is None
+    base, _ = make_backend()
+    kw = dict(num_q_heads=4, page_size=PAGE, req_to_token=base.req_to_token,
+              token_to_kv_pool=base.token_to_kv_pool, kv_cache_dtype=torch.bfloat16)
+    draft = MlaMultiStepDraftBackend(3, **kw)
+    draft.init_cuda_graph_state(2, 2)
+    fb = batch(ForwardMode.DECODE, [0, 1], [9, 3])
+    draft.init_forward_metadata_capture_cuda_graph(fb)
+    fb.req_pool_indices = torch.tensor([0, 99])
+    with pytest.raises(RuntimeError, match="req_pool_indices"):
+        draft.init_forward_metadata_replay_cuda_graph(fb, 2)
+    assert all(b.forward_decode_metadata is None for b in draft.attn_backends)
+
+
+def test_extend_host_lengths_as_tensors():
+    """EXTEND host lengths may come as CPU tensors (e.g. extend_prefix_lens.cpu())."""
+    backend, r2t = make_backend(chunked_prefix_capacity=6)
+    fb = batch(ForwardMode.EXTEND, [0, 1], [9, 5], extend=[1, 1], prefix=[8, 4])
+    fb.extend_prefix_lens_cpu = torch.tensor([8, 4])
+    fb.extend_seq_lens_cpu = torch.tensor([1, 1])
+    backend.init_forward_metadata(fb)
+    md = backend.forward_prefill_metadata
+    assert md.has_prefix and md.max_q_len == 1 and fb.num_prefix_chunks >= 1
+
+
 def test_multi_step_draft_backend():
     base, r2t = make_backend()
     kw = dict(num_q_heads=4, page_size=PAGE, req_to_token=base.req_to_token,

@@ -234,6 +234,20 @@ def test_mla_decode_deterministic(device, gen):
                        workspace_max_batch=40, workspace_max_q_len=3)
 
 
+def test_cumulative_lengths(device):
+    lens = torch.tensor([3, 0, 7, 1], dtype=torch.int64, device=device)
+    assert _call(ops.cumulative_lengths, lens).tolist() == [0, 3, 3, 10, 11]
+    cu = torch.full((5,), -1, dtype=torch.int32, device=device)
+    ops.cumulative_lengths(lens.to(torch.int32), cu)
+    assert cu.tolist() == [0, 3, 3, 10, 11]
+    assert ops.cumulative_lengths(lens[:0]).tolist() == [0]
+    with pytest.raises(RuntimeError, match="overlaps"):
+        ops.cumulative_lengths(cu[1:], cu)
+    if device.type == "cpu":  # the GPU does not read the values back
+        with pytest.raises(RuntimeError, match=r"lens\[1\]"):
+            ops.cumulative_lengths(torch.tensor([2, -4], dtype=torch.int32))
+
+
 # ---- mha_prefill --------------------------------------------------------------------------------
 
 PREFILL_CASES = [
