@@ -68,9 +68,12 @@ void fill_block_table(const TensorView& req_to_token, const TensorView& req_pool
 }
 
 size_t ScratchArena::aligned_bytes(DType dtype, std::initializer_list<int64_t> shape) {
+  // Sizes past 2^62 bytes cannot be a workspace: saturate there instead of wrapping.
+  constexpr int64_t kLimit = int64_t(1) << 62;
   int64_t count = 1;
-  for (int64_t s : shape) count *= s;
-  const size_t bytes = size_t(count) * dtype_size(dtype);
+  for (int64_t s : shape) count = (s > 0 && count > kLimit / s) ? kLimit : count * s;
+  const int64_t elem = int64_t(dtype_size(dtype));
+  const size_t bytes = size_t(count > kLimit / elem ? kLimit : count * elem);
   return (bytes + Buffer::kAlignment - 1) / Buffer::kAlignment * Buffer::kAlignment;
 }
 
@@ -152,8 +155,8 @@ void Backend::Impl::validate_config() {
             c.req_to_token.shape[1], " (0 = that), got ", c.max_context_len);
   MLA_CHECK(max_context_len <= INT32_MAX, op, ": config.max_context_len must fit in int32, got ",
             max_context_len);
-  MLA_CHECK(c.prefix_chunk_capacity >= 1, op, ": config.prefix_chunk_capacity must be >= 1, got ",
-            c.prefix_chunk_capacity);
+  MLA_CHECK(c.prefix_chunk_capacity >= 1 && c.prefix_chunk_capacity <= INT32_MAX, op,
+            ": config.prefix_chunk_capacity must be in [1, 2^31 - 1], got ", c.prefix_chunk_capacity);
   MLA_CHECK(c.num_draft_tokens >= 0, op, ": config.num_draft_tokens must be >= 0, got ",
             c.num_draft_tokens);
   MLA_CHECK(c.absorbed_max_extend_len >= 0, op,
@@ -223,6 +226,9 @@ void Backend::Impl::plan_decode_family(const ForwardBatch& batch, Stream stream)
       for (int b = 0; b < batch_size; ++b) {
         const int32_t len = batch.extend_seq_lens_cpu[size_t(b)];
         MLA_CHECK(len >= 0, op, ": batch.extend_seq_lens_cpu[", b, "] must be >= 0, got ", len);
+        MLA_CHECK(int64_t(host_cu_q[size_t(b)]) + len <= INT32_MAX, op,
+                  ": batch.extend_seq_lens_cpu brings the query tokens past 2^31 - 1 at [", b, "] = ",
+                  len);
         host_cu_q[size_t(b) + 1] = host_cu_q[size_t(b)] + len;
         max_q = std::max(max_q, int(len));
       }

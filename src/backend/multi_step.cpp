@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "backend/backend_impl.hpp"
+#include "cpu/load_index.hpp"
 #include "mla/error.hpp"
 #include "mla/ops.hpp"
 
@@ -45,6 +46,19 @@ void MultiStepDraftBackend::Impl::build_and_install(const char* op, const char* 
                                                     int64_t max_kv_len, bool fixed_buffers,
                                                     Stream stream) {
   const int num_step_backends = int(steps.size());
+  // The steps share one block table, built for the last step (seq_lens + num_steps - 2 keys).
+  // Where the lengths are readable here (CPU tensors), one past the context is reported under
+  // the caller's name; on a GPU the table's row of such a request is -1 (build_block_table), so
+  // its keys read as zeros in every step.
+  if (seq_lens.device.type == DeviceType::kCPU) {
+    const int64_t last_offset = num_step_backends - 1;
+    for (int b = 0; b < bs; ++b) {
+      const int64_t len = cpu::load_index(seq_lens, b);
+      MLA_CHECK(len >= 0 && len + last_offset <= max_context_len(), op, ": ", seq_lens_name, "[", b,
+                "] = ", len, " plus ", last_offset, " draft steps must be in [0, max_context_len = ",
+                max_context_len(), "]");
+    }
+  }
   for (int i = 0; i < num_step_backends; ++i)
     detail::lengths_to_int32(op, seq_lens_name, detail::first_rows(seq_lens, bs), i,
                              kv_lens[size_t(i)], stream);
@@ -167,11 +181,10 @@ MultiStepDraftBackend::MultiStepDraftBackend(int num_steps, const BackendConfig&
   Impl& s = *impl_;
   s.num_steps = num_steps;
   s.config = config;
-  if (!workspace) {
-    // Validate the config before allocating anything for it.
-    Backend probe(config, std::make_shared<Workspace>(0, config.device));
-    workspace = std::make_shared<Workspace>(config.workspace_bytes, config.device);
-  }
+  // Validate the config before allocating anything for it (also when no step backend is made:
+  // num_steps 1).
+  { Backend probe(config, std::make_shared<Workspace>(0, config.device)); }
+  if (!workspace) workspace = std::make_shared<Workspace>(config.workspace_bytes, config.device);
   s.workspace = workspace;
   Impl* owner = impl_.get();
   for (int i = 0; i + 1 < num_steps; ++i) {

@@ -41,7 +41,7 @@ int padded_block_count(int64_t max_seq_len, int page_size) {
   check_page_size(op, page_size);
   MLA_CHECK(max_seq_len >= 0, op, ": max_seq_len must be >= 0, got ", max_seq_len);
   const int64_t granularity = block_table_width_granularity(page_size);
-  const int64_t blocks = (max_seq_len + page_size - 1) / page_size;
+  const int64_t blocks = max_seq_len / page_size + (max_seq_len % page_size != 0);  // no overflow
   const int64_t padded = std::max<int64_t>(1, (blocks + granularity - 1) / granularity) * granularity;
   MLA_CHECK(padded <= INT32_MAX, op, ": max_seq_len ", max_seq_len, " needs ", padded,
             " pages per row, more than int32 holds");

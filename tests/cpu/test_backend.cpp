@@ -1316,6 +1316,37 @@ TEST(BackendErrors, BadConfigNamesTheField) {
   EXPECT_TRUE(bad([](BackendConfig& c) { c.absorbed_max_extend_len = -1; }, {"config.absorbed_max_extend_len"}));
   EXPECT_TRUE(bad([](BackendConfig& c) { c.device = Device::cuda(0); }, {"config.req_to_token", "cuda:0"}));
   EXPECT_TRUE(throws_error([] { MultiStepDraftBackend d(0, BackendConfig{}); }, {"num_steps"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.prefix_chunk_capacity = int64_t(1) << 40; },
+                  {"config.prefix_chunk_capacity", "2^31 - 1"}));
+  // A draft backend of one step (no step backends) with its own workspace checks the config too.
+  BackendConfig no_heads = make_config(pool, 4, DType::kBF16);
+  no_heads.num_q_heads = 0;
+  EXPECT_TRUE(throws_error([&] { MultiStepDraftBackend d(1, no_heads, std::make_shared<Workspace>(1024, Device::cpu())); },
+                           {"config.num_q_heads"}));
+  // The workspace sizes saturate instead of wrapping around.
+  BackendConfig huge = make_config(pool, 128, DType::kBF16);
+  huge.prefix_chunk_capacity = int64_t(1) << 57;
+  EXPECT_GE(Backend::chunked_extend_workspace_bytes(huge, 1), size_t(1) << 62);
+}
+
+TEST(BackendErrors, HostLengthsPastInt32AndDraftStepsPastTheContextNameTheArgument) {
+  std::mt19937_64 rng(16);
+  const int heads = 4;
+  Pool pool(16, 64, 128, 4, DType::kFP16, 8);
+  AbsorbedProblem p = make_absorbed_problem(pool, {{0, 30, 1}, {1, 7, 1}}, heads, DType::kFP16, rng);
+  BackendConfig config = make_config(pool, heads);
+  config.num_draft_tokens = 2;
+  Backend backend(config);
+  ForwardBatch b = p.batch(ForwardMode::kDraftExtend, true);
+  const std::vector<int32_t> huge = {INT32_MAX, 1};
+  b.extend_seq_lens_cpu = huge;
+  EXPECT_TRUE(throws_error([&] { backend.init_forward_metadata(b); },
+                           {"batch.extend_seq_lens_cpu", "2^31 - 1"}));
+  // Three draft steps: the last attends seq_lens + 1 keys, past the context of 128 here.
+  AbsorbedProblem full = make_absorbed_problem(pool, {{2, 127, 1}}, heads, DType::kFP16, rng);
+  MultiStepDraftBackend draft(3, config);
+  EXPECT_TRUE(throws_error([&] { draft.init_forward_metadata(full.batch(ForwardMode::kDecode, false)); },
+                           {"batch.seq_lens[0] = 128", "draft steps", "max_context_len = 128"}));
 }
 
 TEST(BackendErrors, DraftExtendLengthsBeyondTheBoundNameTheArgument) {

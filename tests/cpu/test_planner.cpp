@@ -68,6 +68,7 @@ TEST(Planner, PaddedBlockCountRoundsToWholeGroupsOf128Tokens) {
   EXPECT_EQ(padded_block_count(129, 128), 2);
   EXPECT_TRUE(throws_error([] { padded_block_count(10, 3); }, {"page_size"}));
   EXPECT_TRUE(throws_error([] { padded_block_count(-1, 16); }, {"max_seq_len"}));
+  EXPECT_TRUE(throws_error([] { padded_block_count(INT64_MAX, 64); }, {"max_seq_len", "int32"}));
 }
 
 TEST(Planner, SplitsPrefixAcrossRequestBoundaries) {
