@@ -14,31 +14,12 @@
 namespace mla::detail {
 namespace {
 
-#if defined(MLA_WITH_CUDA)
-// Makes `device` current for the scope (CUDA allocations and copies go to the current device).
-class CudaDeviceGuard {
- public:
-  explicit CudaDeviceGuard(Device device) {
-    MLA_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device.index) MLA_CUDA_CHECK(cudaSetDevice(device.index));
-    changed_ = previous_ != device.index;
-  }
-  ~CudaDeviceGuard() {
-    if (changed_) (void)cudaSetDevice(previous_);
-  }
-  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
-  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool changed_ = false;
-};
-#endif
-
+#if !defined(MLA_WITH_CUDA)
 [[noreturn]] void no_cuda(const char* what, Device device) {
   MLA_FAIL(what, ": memory is on ", device_name(device),
            " but this build of mla has no CUDA support (rebuild with nvcc available)");
 }
+#endif
 
 void check_lengths(const char* op, const char* name, const TensorView& lens) {
   check::ndim(op, name, lens, 1);
@@ -60,7 +41,7 @@ Buffer::Buffer(size_t size_bytes, Device device, Stream stream) : size_(size_byt
   }
 #if defined(MLA_WITH_CUDA)
   try {
-    CudaDeviceGuard guard(device);
+    const cuda::DeviceGuard guard(device);
     MLA_CUDA_CHECK(cudaMalloc(&allocation_, size_bytes));
     data_ = allocation_;
     MLA_CUDA_CHECK(cudaMemsetAsync(data_, 0, size_bytes, cuda::to_cuda(stream)));
@@ -123,7 +104,7 @@ void copy_to_device(void* dst, const void* host_src, size_t bytes, Device device
     return;
   }
 #if defined(MLA_WITH_CUDA)
-  CudaDeviceGuard guard(device);
+  const cuda::DeviceGuard guard(device);
   // From pageable memory this returns once the source has been staged, so it may be reused.
   MLA_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, cuda::to_cuda(stream)));
 #else
@@ -139,7 +120,7 @@ void copy_on_device(void* dst, const void* src, size_t bytes, Device device, Str
     return;
   }
 #if defined(MLA_WITH_CUDA)
-  CudaDeviceGuard guard(device);
+  const cuda::DeviceGuard guard(device);
   MLA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::to_cuda(stream)));
 #else
   (void)stream;
@@ -154,7 +135,7 @@ void copy_to_host(void* host_dst, const void* src, size_t bytes, Device device, 
     return;
   }
 #if defined(MLA_WITH_CUDA)
-  CudaDeviceGuard guard(device);
+  const cuda::DeviceGuard guard(device);
   MLA_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, cuda::to_cuda(stream)));
   MLA_CUDA_CHECK(cudaStreamSynchronize(cuda::to_cuda(stream)));
 #else
@@ -170,7 +151,7 @@ void fill_zero(void* dst, size_t bytes, Device device, Stream stream) {
     return;
   }
 #if defined(MLA_WITH_CUDA)
-  CudaDeviceGuard guard(device);
+  const cuda::DeviceGuard guard(device);
   MLA_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cuda::to_cuda(stream)));
 #else
   (void)stream;
@@ -200,7 +181,7 @@ void lengths_to_int32(const char* op, const char* name, const TensorView& lens, 
     return;
   }
 #if defined(MLA_WITH_CUDA)
-  CudaDeviceGuard guard(lens.device);
+  const cuda::DeviceGuard guard(lens.device);
   cuda::lengths_to_int32(lens, offset, out, stream);
 #else
   (void)stream;
@@ -231,7 +212,7 @@ void prefix_sum_int32(const char* op, const char* name, const TensorView& lens, 
     return;
   }
 #if defined(MLA_WITH_CUDA)
-  CudaDeviceGuard guard(lens.device);
+  const cuda::DeviceGuard guard(lens.device);
   cuda::prefix_sum_int32(lens, cu, stream);
 #else
   (void)stream;
@@ -270,7 +251,7 @@ void gather_rows(const TensorView& src, const TensorView& index, const TensorVie
     return;
   }
 #if defined(MLA_WITH_CUDA)
-  CudaDeviceGuard guard(src.device);
+  const cuda::DeviceGuard guard(src.device);
   cuda::gather_rows(src, index, dst, stream);
 #else
   (void)stream;

@@ -26,6 +26,26 @@ namespace mla::cuda {
 
 inline cudaStream_t to_cuda(Stream stream) { return static_cast<cudaStream_t>(stream); }
 
+// Makes `device` current for the lifetime of the guard (no-op when it already is): the ops'
+// launches, allocations and device queries then go to the device their tensors are on.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(Device device) {
+    MLA_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (device.index != previous_) MLA_CUDA_CHECK(cudaSetDevice(device.index));
+    switched_ = device.index != previous_;
+  }
+  ~DeviceGuard() {
+    if (switched_) (void)cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
 // Properties of the current device, read once per device and cached.
 struct DeviceInfo {
   int device = 0;

@@ -109,24 +109,6 @@ __device__ __forceinline__ int64_t load_index(const void* p, bool is_int64, int6
 
 // ---- host-side helpers -----------------------------------------------------------------------
 
-// Makes `device` current for the lifetime of the guard (no-op when it already is).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(Device device) {
-    MLA_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device.index != previous_) MLA_CUDA_CHECK(cudaSetDevice(device.index));
-    switched_ = device.index != previous_;
-  }
-  ~DeviceGuard() {
-    if (switched_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
 
 // True when every row of `t` (the last dim) starts on a 16-byte boundary: the base pointer and
 // every outer stride (of dims with extent > 1) are multiples of 16 bytes.

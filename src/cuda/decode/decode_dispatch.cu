@@ -156,11 +156,13 @@ void check_metadata_on_host(const MlaDecodeArgs& args, int64_t num_tokens, cudaS
 }  // namespace
 
 const char* mla_decode_kernel_name(const MlaDecodeArgs& args) {
+  const DeviceGuard guard(args.kv_cache.device);
   return use_hopper(args, query_parts(args)) ? "sm90-wgmma" : "sm80-mma";
 }
 
 void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   constexpr const char* op = "mla_decode";
+  const DeviceGuard guard(args.kv_cache.device);  // device queries and launches on the tensors' device
   const bool split_q = args.q.empty();
   const TensorView& q_main = split_q ? args.q_nope : args.q;
   const int64_t num_tokens = q_main.shape[0];

@@ -747,6 +747,7 @@ void plan_decode(const DecodeSchedule& schedule, const TensorView& kv_lens,
             " but the decode schedule is planned on the GPU: kv_lens must be a CUDA tensor");
   MLA_CHECK(kv_lens.device.index == schedule.device, op, ": kv_lens is on ",
             device_name(kv_lens.device), " but the schedule's workspace is on cuda:", schedule.device);
+  const cuda::DeviceGuard guard(kv_lens.device);
   const int64_t batch = kv_lens.shape[0];
   MLA_CHECK(batch <= schedule.max_batch, op, ": kv_lens has ", batch,
             " requests but the schedule holds at most max_batch = ", schedule.max_batch);

@@ -40,6 +40,7 @@ prefill::OutKind out_kind_of(DType dtype) {
 
 void mha_prefill(const MhaPrefillArgs& args, Stream stream) {
   constexpr int kBlockM = 64;  // PrefillConfig::kBlockM
+  const DeviceGuard guard(args.q.device);
   const int64_t num_q_tokens = args.q.shape[0];
   const int64_t num_heads = args.q.shape[1];
   const int64_t num_requests = args.cu_q_lens.shape[0] - 1;
