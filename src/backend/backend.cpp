@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "backend/backend_impl.hpp"
+#include "cpu/load_index.hpp"
 #include "mla/error.hpp"
 #include "mla/ops.hpp"
 
@@ -595,6 +596,13 @@ void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, cons
     MLA_CHECK(num_tokens == p.num_tokens, op, ": ", q_name, " has ", num_tokens,
               " tokens but the plan for this ", forward_mode_name(p.mode), " batch has ",
               p.num_tokens);
+  // DRAFT_EXTEND planned from device lengths alone: where they are readable here (CPU tensors),
+  // their total is checked against the queries under the caller's names.
+  if (p.num_tokens < 0 && !p.cu_q_lens.empty() && p.cu_q_lens.device.type == DeviceType::kCPU) {
+    const int64_t planned = cpu::load_index(p.cu_q_lens, p.batch_size);
+    MLA_CHECK(planned == num_tokens, op, ": batch.extend_seq_lens add up to ", planned,
+              " query tokens but ", q_name, " has ", num_tokens);
+  }
   check_heads_operand(op, "args.out", args.out, num_tokens, "tokens, as the queries", kKvLoraRank,
                       "kv_lora_rank", config.out_dtype);
   if (!args.lse.empty()) check_lse(op, args.lse, num_tokens, "tokens, as the queries");

@@ -1342,6 +1342,17 @@ TEST(BackendErrors, HostLengthsPastInt32AndDraftStepsPastTheContextNameTheArgume
   b.extend_seq_lens_cpu = huge;
   EXPECT_TRUE(throws_error([&] { backend.init_forward_metadata(b); },
                            {"batch.extend_seq_lens_cpu", "2^31 - 1"}));
+  // Device query counts (no host copy) that do not add up to the queries given at forward time:
+  // the error names batch.extend_seq_lens (planned here as 1 and 2, the queries are 1 + 1).
+  {
+    Backend device_lengths(config);
+    ForwardBatch d = p.batch(ForwardMode::kDraftExtend, false);
+    HostTensor three = test::int32_tensor({1, 2});
+    d.extend_seq_lens = three.view();
+    device_lengths.init_forward_metadata(d);
+    EXPECT_TRUE(throws_error([&] { device_lengths.forward_decode(d, make_layer(pool), p.args(false)); },
+                             {"batch.extend_seq_lens", "add up to 3", "has 2"}));
+  }
   // Three draft steps: the last attends seq_lens + 1 keys, past the context of 128 here.
   AbsorbedProblem full = make_absorbed_problem(pool, {{2, 127, 1}}, heads, DType::kFP16, rng);
   MultiStepDraftBackend draft(3, config);
