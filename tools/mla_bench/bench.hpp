@@ -157,6 +157,7 @@ struct Measurement {
   std::optional<double> plan_us;  // median time of plan_decode for this case (scheduled variants)
   std::optional<double> graph_us; // median time of the same call replayed from a CUDA graph
   std::optional<double> plan_graph_us;  // plan_decode replayed from a CUDA graph, median
+  std::string error;    // set when this kernel failed (nothing else is then set)
 };
 
 struct Ceilings {

@@ -327,16 +327,24 @@ class GpuRunner final : public Runner {
                  (v.deterministic ? "-deterministic" : v.schedule ? "" : "-unsplit");
       if (std::find(seen.begin(), seen.end(), m.kernel) != seen.end()) continue;
       seen.push_back(m.kernel);
-      m.time_us = time_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
-      if (v.schedule) {
-        m.plan_us = plan_us;
-        m.plan_graph_us = plan_graph_us;
+      // A kernel that fails is reported on its own row; the case's other kernels still run
+      // (after a sticky CUDA error they fail too, each with its own message).
+      try {
+        m.time_us = time_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
+        if (v.schedule) {
+          m.plan_us = plan_us;
+          m.plan_graph_us = plan_graph_us;
+        }
+        m.out = download(out, p.out_dtype, out_shape);
+        // The graph replays write into the output poisoned again: verified on their own.
+        poison_nan(out.get(), out_bytes);
+        m.graph_us = graph_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
+        m.graph_out = download(out, p.out_dtype, out_shape);
+      } catch (const std::exception& e) {
+        m = Measurement{};
+        m.kernel = seen.back();
+        m.error = e.what();
       }
-      m.out = download(out, p.out_dtype, out_shape);
-      // The graph replays write into the output poisoned again: verified on their own.
-      poison_nan(out.get(), out_bytes);
-      m.graph_us = graph_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
-      m.graph_out = download(out, p.out_dtype, out_shape);
       results.push_back(std::move(m));
     }
 
