@@ -763,6 +763,41 @@ TEST(GpuDecodeDeterministic, RequestBitsDoNotDependOnTheBatch) {
   }
 }
 
+// Tensors on device 1 while device 0 is current: plan_decode, mla_decode and the kernel name
+// go to the tensors' device (its SM count and kernels) and leave device 0 current.
+TEST(GpuDecode, RunsOnItsTensorsDeviceNotTheCurrentOne) {
+  MLA_REQUIRE_GPU();
+  int devices = 0;
+  MLA_TEST_CUDA(cudaGetDeviceCount(&devices));
+  if (devices < 2) GTEST_SKIP() << "needs two GPUs";
+  DecodeCase c = fixed(128, 64, {3000, 5, 700});
+  c.seed = 27600;
+  const DecodeData d = make_data(c);
+  const Reference ref = reference(d);
+  MLA_TEST_CUDA(cudaSetDevice(1));
+  {
+    DeviceData dev(d);  // allocated on device 1
+    OwnedSchedule sched(int(d.B), c.max_q_len(), int(d.H));
+    MlaDecodeArgs a = make_args(d, Device::cuda(1), dev.q.ptr, dev.q_pe.ptr, dev.cache.ptr, dev.bt.ptr,
+                                dev.kv_lens.ptr, dev.cu.ptr, dev.out.ptr, dev.lse.ptr);
+    MLA_TEST_CUDA(cudaSetDevice(0));
+    EXPECT_NO_THROW(mla_decode_kernel_name(a));
+    plan_for(sched.schedule, a, c, nullptr);
+    a.schedule = &sched.schedule;
+    ASSERT_NO_THROW(mla_decode(a, nullptr));
+    int current = -1;
+    MLA_TEST_CUDA(cudaGetDevice(&current));
+    EXPECT_EQ(current, 0) << "the caller's device stays current";
+    MLA_TEST_CUDA(cudaSetDevice(1));
+    MLA_TEST_CUDA(cudaDeviceSynchronize());
+    HostTensor out = d.out_buf, lse = d.lse_buf;
+    dev.out.download(out);
+    dev.lse.download(lse);
+    expect_matches(d, gather(d, out, lse), ref);
+  }
+  MLA_TEST_CUDA(cudaSetDevice(0));
+}
+
 TEST(GpuDecode, MatchesCpuImplementation) {
   MLA_REQUIRE_GPU();
   for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
