@@ -493,8 +493,8 @@ TORCH_LIBRARY(mla, m) {
         "float k_scale, float v_scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
   m.def("merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, "
         "Tensor(a!) out, Tensor(b!)? lse_out) -> ()");
-  // Which dispatch keys this build serves: torch.ops.mla.build_info() -> "cpu" or "cpu,cuda".
   m.def("cumulative_lengths(Tensor lens, Tensor(a!) cu) -> ()");
+  // Which dispatch keys this build serves: torch.ops.mla.build_info() -> "cpu" or "cpu,cuda".
   m.def("build_info() -> str", []() -> std::string {
 #if defined(MLA_WITH_CUDA)
     return "cpu,cuda";

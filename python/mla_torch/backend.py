@@ -616,6 +616,10 @@ class MlaBackend:
             if lens is None and not v2:
                 lens = getattr(spec_info, "accept_length", None) if spec_info is not None else None
             if lens is not None:
+                if lens.device != md.cu_q_lens.device:
+                    raise ValueError(f"MlaBackend: DRAFT_EXTEND's query counts (extend_seq_lens or "
+                                     f"spec_info.accept_length) must be on {md.cu_q_lens.device} "
+                                     f"(the graph's buffers), got {lens.device}")
                 if lens.dim() != 1 or lens.shape[0] < bs:
                     raise ValueError(f"MlaBackend: DRAFT_EXTEND needs the queries of all {bs} "
                                      f"requests of the graph (extend_seq_lens or "

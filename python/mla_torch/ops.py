@@ -114,7 +114,7 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
 def cumulative_lengths(lens: Tensor, cu: Optional[Tensor] = None) -> Tensor:
     """cu[0] = 0, cu[b + 1] = cu[b] + lens[b] (int32), on the tensors' device: on CUDA one small
     kernel with no host copy and no allocation (for CUDA-graph buffers updated before a replay).
-    cu [B + 1] int32 must not overlap lens. Returns cu."""
+    lens [B] int32/int64 with stride 1; cu [B + 1] int32 must not overlap lens. Returns cu."""
     if cu is None:
         cu = torch.empty(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
     torch.ops.mla.cumulative_lengths(lens, cu)

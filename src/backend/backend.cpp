@@ -913,11 +913,18 @@ size_t Backend::chunked_extend_workspace_bytes(const BackendConfig& config, int6
             num_tokens);
   const int64_t h = config.num_q_heads;
   const int64_t n = config.prefix_chunk_capacity;
-  return 2 * ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h, 128}) +
-         2 * ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h}) +
-         ScratchArena::aligned_bytes(config.kv_cache_dtype, {n, kLatentDim}) +
-         ScratchArena::aligned_bytes(config.q_dtype, {n, h, 192}) +
-         ScratchArena::aligned_bytes(config.q_dtype, {n, h, 128});
+  // Each term saturates at 2^62 bytes (aligned_bytes), and so does their sum.
+  const size_t terms[] = {ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h, 128}),
+                          ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h, 128}),
+                          ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h}),
+                          ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h}),
+                          ScratchArena::aligned_bytes(config.kv_cache_dtype, {n, kLatentDim}),
+                          ScratchArena::aligned_bytes(config.q_dtype, {n, h, 192}),
+                          ScratchArena::aligned_bytes(config.q_dtype, {n, h, 128})};
+  constexpr size_t kLimit = size_t(1) << 62;
+  size_t total = 0;
+  for (const size_t t : terms) total = t >= kLimit - total ? kLimit : total + t;
+  return total;
 }
 
 size_t Backend::absorbed_workspace_bytes(const BackendConfig& config, int64_t num_tokens) {

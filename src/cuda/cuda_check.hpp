@@ -13,10 +13,13 @@
 #define MLA_CUDA_CHECK(expr)                                                                  \
   do {                                                                                        \
     cudaError_t mla_cuda_status_ = (expr);                                                    \
-    if (mla_cuda_status_ != cudaSuccess)                                                      \
+    if (mla_cuda_status_ != cudaSuccess) {                                                    \
+      /* cleared, so that the next launch check does not report this error again */           \
+      (void)cudaGetLastError();                                                               \
       ::mla::detail::throw_error(__FILE__, __LINE__, "CUDA error in ", #expr, ": ",           \
                                  cudaGetErrorName(mla_cuda_status_), " (",                    \
                                  cudaGetErrorString(mla_cuda_status_), ")");                  \
+    }                                                                                         \
   } while (0)
 
 // After a <<<...>>> launch: reports launch-configuration errors without synchronising.

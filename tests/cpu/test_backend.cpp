@@ -1327,6 +1327,8 @@ TEST(BackendErrors, BadConfigNamesTheField) {
   BackendConfig huge = make_config(pool, 128, DType::kBF16);
   huge.prefix_chunk_capacity = int64_t(1) << 57;
   EXPECT_GE(Backend::chunked_extend_workspace_bytes(huge, 1), size_t(1) << 62);
+  EXPECT_GE(Backend::chunked_extend_workspace_bytes(make_config(pool, 128, DType::kBF16), int64_t(1) << 60),
+            size_t(1) << 62);
 }
 
 TEST(BackendErrors, HostLengthsPastInt32AndDraftStepsPastTheContextNameTheArgument) {

@@ -374,6 +374,16 @@ TEST(Ops, CumulativeLengths) {
   EXPECT_TRUE(throws_error([&] { cumulative_lengths(lens.view(), cu3.view()); }, {"cu", "shape[0]"}));
   HostTensor f(DType::kFP32, {4});
   EXPECT_TRUE(throws_error([&] { cumulative_lengths(f.view(), cu.view()); }, {"cumulative_lengths", "lens"}));
+  // Negative strides run down from data: lens {b[4], b[3]} overlaps cu = b[1..4), lens {b[1],
+  // b[0]} does not overlap cu = b[2..5).
+  std::vector<int32_t> b(6, 2);
+  const TensorView down4 = TensorView::strided(b.data() + 4, DType::kInt32, {2}, {-1}, Device::cpu());
+  EXPECT_TRUE(throws_error([&] { cumulative_lengths(down4, TensorView::contiguous(b.data() + 1, DType::kInt32, {3}, Device::cpu())); },
+                           {"cumulative_lengths", "overlaps"}));
+  b = {5, 3, -1, -1, -1, -1};
+  const TensorView down1 = TensorView::strided(b.data() + 1, DType::kInt32, {2}, {-1}, Device::cpu());
+  ASSERT_NO_THROW(cumulative_lengths(down1, TensorView::contiguous(b.data() + 2, DType::kInt32, {3}, Device::cpu())));
+  EXPECT_EQ(b, (std::vector<int32_t>{5, 3, 0, 3, 8, -1}));
   // In place over its own lengths (cu[1:] holding them) is refused: cu must not overlap lens.
   EXPECT_TRUE(throws_error([&] { cumulative_lengths(TensorView::contiguous(static_cast<int32_t*>(cu.data()) + 1, DType::kInt32, {4}, Device::cpu()), cu.view()); },
                            {"cumulative_lengths", "overlaps"}));

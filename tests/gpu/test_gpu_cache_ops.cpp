@@ -445,7 +445,15 @@ TEST(GpuCumulativeLengths, MatchesTheHostSumsEagerAndInAGraph) {
       d_cu.download();
       EXPECT_EQ(0, std::memcmp(cu.data(), expected.data(), expected.size() * 4)) << "batch " << batch;
       if (batch == 0) continue;
-      // Captured in a CUDA graph (no host sync, no allocation) over new lengths, then replayed.
+      // Captured in a CUDA graph (global capture mode: no host sync, no allocation), then replayed
+      // after the lengths changed on the device.
+      CudaStream stream;
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      MLA_TEST_CUDA(cudaStreamBeginCapture(stream.stream, cudaStreamCaptureModeGlobal));
+      mla::cumulative_lengths(lens_view, d_cu.view(), stream.get());
+      MLA_TEST_CUDA(cudaStreamEndCapture(stream.stream, &graph));
+      MLA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
       for (int64_t b = 0; b < batch; ++b) {
         values[size_t(b * stride)] = int64_t(rng() % 5);
         expected[size_t(b) + 1] = expected[size_t(b)] + int32_t(values[size_t(b * stride)]);
@@ -454,10 +462,10 @@ TEST(GpuCumulativeLengths, MatchesTheHostSumsEagerAndInAGraph) {
       d_lens.upload();
       std::memset(cu.data(), 0xff, cu.bytes.size());
       d_cu.upload();
-      ASSERT_TRUE(mla::test::run_in_cuda_graph([&](mla::Stream s) {
-        mla::cumulative_lengths(lens_view, d_cu.view(), s);
-      }));
-      MLA_TEST_CUDA(cudaDeviceSynchronize());
+      MLA_TEST_CUDA(cudaGraphLaunch(exec, stream.stream));
+      MLA_TEST_CUDA(cudaStreamSynchronize(stream.stream));
+      MLA_TEST_CUDA(cudaGraphExecDestroy(exec));
+      MLA_TEST_CUDA(cudaGraphDestroy(graph));
       d_cu.download();
       EXPECT_EQ(0, std::memcmp(cu.data(), expected.data(), expected.size() * 4)) << "graph, batch " << batch;
     }

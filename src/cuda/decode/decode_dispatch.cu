@@ -156,7 +156,7 @@ void check_metadata_on_host(const MlaDecodeArgs& args, int64_t num_tokens, cudaS
 }  // namespace
 
 const char* mla_decode_kernel_name(const MlaDecodeArgs& args) {
-  const DeviceGuard guard(args.kv_cache.device);
+  const DeviceGuard guard((args.q.empty() ? args.q_nope : args.q).device);  // the one checked
   return use_hopper(args, query_parts(args)) ? "sm90-wgmma" : "sm80-mma";
 }
 
