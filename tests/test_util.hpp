@@ -81,6 +81,27 @@ inline HostTensor int32_tensor(const std::vector<int32_t>& values, std::vector<i
 
 // Every element of `actual` within atol + rtol*|expected|; NaN/inf positions must match.
 // Reports the count and the first few mismatches with their flat index.
+// The rows of requests `which` (in that order) of a [T, ...] tensor whose request b owns
+// `counts[b]` consecutive rows from the start, request after request: a batch of its own.
+inline HostTensor request_rows(const HostTensor& t, const std::vector<int32_t>& counts,
+                               const std::vector<int>& which) {
+  std::vector<size_t> first(counts.size() + 1, 0);
+  for (size_t b = 0; b < counts.size(); ++b) first[b + 1] = first[b] + size_t(counts[b]);
+  size_t rows = 0;
+  for (int b : which) rows += size_t(counts[size_t(b)]);
+  std::vector<int64_t> shape = t.shape;
+  shape[0] = int64_t(rows);
+  HostTensor out(t.dtype, shape);
+  const size_t row_bytes = t.shape[0] ? t.bytes.size() / size_t(t.shape[0]) : 0;
+  size_t at = 0;
+  for (int b : which) {
+    const size_t n = size_t(counts[size_t(b)]) * row_bytes;
+    if (n) std::memcpy(out.bytes.data() + at, t.bytes.data() + first[size_t(b)] * row_bytes, n);
+    at += n;
+  }
+  return out;
+}
+
 inline ::testing::AssertionResult all_close(const std::vector<float>& actual,
                                             const std::vector<double>& expected, double atol,
                                             double rtol) {

@@ -1004,8 +1004,6 @@ TEST(BackendExtend, ChunkedPrefixEqualsOneShotNaiveAttention) {
 // The requests `which` of `p` (in that order) as an EXTEND batch of their own: the same pool
 // slots, query rows and new tokens, fresh NaN outputs.
 ExtendProblem sub_problem(const ExtendProblem& p, const std::vector<int>& which) {
-  std::vector<int64_t> first_token(p.slots.size() + 1, 0);
-  for (size_t b = 0; b < p.slots.size(); ++b) first_token[b + 1] = first_token[b] + p.extend[b];
   ExtendProblem s;
   s.heads = p.heads;
   for (int b : which) {
@@ -1018,19 +1016,8 @@ ExtendProblem sub_problem(const ExtendProblem& p, const std::vector<int>& which)
     s.prefix_cpu.push_back(p.prefix_cpu[size_t(b)]);
   }
   // Token rows of the chosen requests, in order.
-  auto rows = [&](const HostTensor& t) {
-    std::vector<int64_t> shape = t.shape;
-    shape[0] = s.num_tokens;
-    HostTensor out(t.dtype, shape);
-    const size_t row_bytes = t.shape[0] ? t.bytes.size() / size_t(t.shape[0]) : 0;
-    size_t at = 0;
-    for (int b : which) {
-      const size_t n = size_t(p.extend[size_t(b)]) * row_bytes;
-      std::memcpy(out.bytes.data() + at, t.bytes.data() + size_t(first_token[size_t(b)]) * row_bytes, n);
-      at += n;
-    }
-    return out;
-  };
+  const std::vector<int32_t> counts(p.extend.begin(), p.extend.end());
+  auto rows = [&](const HostTensor& t) { return test::request_rows(t, counts, which); };
   s.q = rows(p.q);
   s.k = rows(p.k);
   s.v = rows(p.v);

@@ -1078,8 +1078,6 @@ TEST(GpuBackend, ExtendChunkedAndAbsorbedMatchCpuBackend) {
 // The requests `which` of `all` (in that order) as a batch of their own: the same slots, query
 // rows and new tokens, fresh NaN outputs (host copies; upload() before use).
 ExtendBatch sub_batch(const ExtendBatch& all, const std::vector<int>& which) {
-  std::vector<int64_t> first(all.slots.size() + 1, 0);
-  for (size_t b = 0; b < all.slots.size(); ++b) first[b + 1] = first[b] + all.extend[b];
   ExtendBatch s;
   s.heads = all.heads;
   std::vector<int64_t> rpi, seq, loc;
@@ -1092,19 +1090,8 @@ ExtendBatch sub_batch(const ExtendBatch& all, const std::vector<int>& which) {
     rpi.push_back(all.slots[size_t(b)]);
     seq.push_back(all.seq_lens_cpu[size_t(b)]);
   }
-  auto rows = [&](const HostTensor& t) {  // the chosen requests' token rows, in order
-    std::vector<int64_t> shape = t.shape;
-    shape[0] = s.num_tokens;
-    HostTensor out(t.dtype, shape);
-    const size_t row_bytes = t.shape[0] ? t.bytes.size() / size_t(t.shape[0]) : 0;
-    size_t at = 0;
-    for (int b : which) {
-      const size_t n = size_t(all.extend[size_t(b)]) * row_bytes;
-      std::memcpy(out.bytes.data() + at, t.bytes.data() + size_t(first[size_t(b)]) * row_bytes, n);
-      at += n;
-    }
-    return out;
-  };
+  const std::vector<int32_t> counts = all.extend;
+  auto rows = [&](const HostTensor& t) { return test::request_rows(t, counts, which); };
   s.q = rows(all.q);
   s.k = rows(all.k);
   s.v = rows(all.v);
