@@ -233,33 +233,6 @@ TEST(GpuDecodeSchedule, EqualRequestsGetEqualPieces) {
   check_plan(std::vector<int>(5, 1000), 16, 5, 3);   // three parts, two tiles: lanes 2 of 1 part
 }
 
-#if defined(MLA_PLAN_WHOLE_UNIT_SLACK)
-// The `whole-cap` experiment (a build with -DMLA_PLAN_WHOLE_UNIT_SLACK=N): at 128 heads, B 128,
-// kv 16k on 132 CTAs (66 parts of two lanes; units of 257 blocks, an even share of 499) whole
-// units would give a part 514 blocks; cut, no part runs more than the share plus the snap.
-TEST(GpuDecodeSchedule, WholeUnitsOnlyNearTheEvenShare) {
-  MLA_REQUIRE_GPU();
-  check_plan(std::vector<int>(128, 16384), 128, 1, 132);
-  const size_t bytes = decode_workspace_bytes(128, 1, 128, 132);
-  HostTensor ws_host(DType::kInt32, {int64_t(bytes / 4)});
-  DeviceTensor ws(ws_host);
-  HostTensor lens_host = int32_tensor(std::vector<int>(128, 16384));
-  DeviceTensor lens(lens_host);
-  const DecodeSchedule s = make_decode_schedule(ws.ptr, bytes, 128, 1, 128, 132);
-  plan_decode(s, lens.view(), TensorView{}, 1, 1);
-  MLA_TEST_CUDA(cudaDeviceSynchronize());
-  ws.download();
-  const ScheduleHeader h = read_at<ScheduleHeader>(ws_host, s.header_offset, 1)[0];
-  const std::vector<WorkItem> items = read_at<WorkItem>(ws_host, s.items_offset, size_t(h.num_items));
-  std::map<int, int> blocks_of_part;
-  for (const WorkItem& w : items) blocks_of_part[w.part] += (w.kv_end - w.kv_begin + 63) / 64 + 1;
-  int most = 0;
-  for (const auto& [part, blocks] : blocks_of_part) most = std::max(most, blocks);
-  EXPECT_LE(most, 499 + 3) << "whole units would give 514";
-  EXPECT_EQ(int(blocks_of_part.size()), 66) << "every part busy";
-}
-#endif
-
 // A request's geometry by the rules written out once more: queries from a start >= 0 clamped to
 // [0, max_q_len] and to the T tokens, keys clamped to [0, max_kv_len].
 cuda::decode::RequestGeometry expected_geometry(const cuda::decode::BatchLayout& l, int b) {

@@ -328,28 +328,17 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
   // parts, 1-3 % slower: that row is bound by the card's bandwidth, not by its idle SMs.)
   const int max_cost = sh.max_unit_cost;
   int whole_units = 0;  // k, when the payload grew to k units
-  bool whole_declined = false;  // MLA_PLAN_WHOLE_UNIT_SLACK below
   if (max_cost > 0) {
     const LinePos k_units = div_line(LinePos(even + LinePos(max_cost) - 1), LinePos(max_cost));
     const LinePos whole = k_units * LinePos(max_cost);
     const bool whole_fits = k_units <= 1 ? 4LL * max_cost <= 5LL * (long long)even
                                          : 4LL * ((long long)whole - (long long)even) <= max_cost;
-#if defined(MLA_PLAN_WHOLE_UNIT_SLACK)
-    // A build-time experiment (docs/perf-notes.md, `whole-cap`), off by default: for 64-row
-    // tiles, units stay whole only within MLA_PLAN_WHOLE_UNIT_SLACK blocks of the even share;
-    // beyond, the line is cut evenly, its cuts snapped by the fixed cost alone (at 128 h B 128
-    // kv 16k whole units give 128 CTAs 514 blocks each and leave 4 SMs idle; cut, 132 CTAs take
-    // ~499, at the price of a combine).
-    whole_declined = whole_fits && whole > payload && pp.block_m == 64 &&
-                     (long long)whole - (long long)even > (long long)(MLA_PLAN_WHOLE_UNIT_SLACK);
-#endif
-    if (whole_fits && whole > payload && !whole_declined) {
+    if (whole_fits && whole > payload) {
       payload = whole;
       whole_units = int(k_units);
     }
   }
-  LinePos snap = payload / 8 > LinePos(kOverheadBlocks) && !whole_declined ? payload / 8
-                                                                           : LinePos(kOverheadBlocks);
+  LinePos snap = payload / 8 > LinePos(kOverheadBlocks) ? payload / 8 : LinePos(kOverheadBlocks);
   // Equal units (every request the same length): each is cut into the same number of pieces,
   // k = ceil(blocks / payload), of ceil(blocks / k) blocks, each piece a CTA of its own. On the
   // line above the cuts fall wherever the units do: units of 17 cost blocks on a payload of 9
