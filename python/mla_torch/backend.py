@@ -195,7 +195,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def _cu_lens(lens: Tensor) -> Tensor:
     """[0, cumsum(lens)] as int32, on lens' device."""
-    return torch.nn.functional.pad(torch.cumsum(lens, dim=0, dtype=torch.int32), (1, 0))
+    return ops.cumulative_lengths(lens)
 
 
 def _check_numel(name: str, t: Tensor, tokens: int, heads: int, width: Any) -> None:
@@ -230,14 +230,10 @@ def _check_host_lengths(name: str, lens: Any, bs: int, offset: int = 0) -> None:
     int32 lengths; device tensors are not read here (that would synchronise)."""
     if lens is None or bs == 0:
         return
-    if isinstance(lens, Tensor):
-        if lens.device.type != "cpu":
-            return
-        values = lens[:bs].to(torch.int64)
-        lo, hi = int(values.min()), int(values.max())
-    else:
-        values = list(lens[:bs])
-        lo, hi = min(values), max(values)
+    if isinstance(lens, Tensor) and lens.device.type != "cpu":
+        return
+    values = _host_list(lens, bs)
+    lo, hi = min(values), max(values)
     if lo < 0 or hi + offset > _INT32_MAX:
         bad = lo if lo < 0 else hi
         raise ValueError(f"MlaBackend: {name} holds {bad}"

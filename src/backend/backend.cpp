@@ -68,9 +68,14 @@ void fill_block_table(const TensorView& req_to_token, const TensorView& req_pool
   build_block_table(args, stream);
 }
 
+size_t ScratchArena::total_bytes(std::initializer_list<size_t> sizes) {
+  size_t total = 0;
+  for (const size_t s : sizes) total = s >= kMaxBytes - total ? kMaxBytes : total + s;
+  return total;
+}
+
 size_t ScratchArena::aligned_bytes(DType dtype, std::initializer_list<int64_t> shape) {
-  // Sizes past 2^62 bytes cannot be a workspace: saturate there instead of wrapping.
-  constexpr int64_t kLimit = int64_t(1) << 62;
+  constexpr int64_t kLimit = int64_t(kMaxBytes);
   int64_t count = 1;
   for (int64_t s : shape) count = (s > 0 && count > kLimit / s) ? kLimit : count * s;
   const int64_t elem = int64_t(dtype_size(dtype));
@@ -913,18 +918,12 @@ size_t Backend::chunked_extend_workspace_bytes(const BackendConfig& config, int6
             num_tokens);
   const int64_t h = config.num_q_heads;
   const int64_t n = config.prefix_chunk_capacity;
-  // Each term saturates at 2^62 bytes (aligned_bytes), and so does their sum.
-  const size_t terms[] = {ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h, 128}),
-                          ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h, 128}),
-                          ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h}),
-                          ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h}),
-                          ScratchArena::aligned_bytes(config.kv_cache_dtype, {n, kLatentDim}),
-                          ScratchArena::aligned_bytes(config.q_dtype, {n, h, 192}),
-                          ScratchArena::aligned_bytes(config.q_dtype, {n, h, 128})};
-  constexpr size_t kLimit = size_t(1) << 62;
-  size_t total = 0;
-  for (const size_t t : terms) total = t >= kLimit - total ? kLimit : total + t;
-  return total;
+  const size_t out = ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h, 128});
+  const size_t lse = ScratchArena::aligned_bytes(DType::kFP32, {num_tokens, h});
+  return ScratchArena::total_bytes({out, out, lse, lse,
+                                    ScratchArena::aligned_bytes(config.kv_cache_dtype, {n, kLatentDim}),
+                                    ScratchArena::aligned_bytes(config.q_dtype, {n, h, 192}),
+                                    ScratchArena::aligned_bytes(config.q_dtype, {n, h, 128})});
 }
 
 size_t Backend::absorbed_workspace_bytes(const BackendConfig& config, int64_t num_tokens) {
@@ -932,9 +931,10 @@ size_t Backend::absorbed_workspace_bytes(const BackendConfig& config, int64_t nu
   MLA_CHECK(num_tokens >= 0, "absorbed_workspace_bytes: num_tokens must be >= 0, got ", num_tokens);
   // run_absorbed's scratch: the roped query in q_dtype; the roped key in the key's dtype, which
   // rope_quantize takes only as bf16 / fp16 (2 bytes) when it also writes it.
-  return ScratchArena::aligned_bytes(config.q_dtype, {num_tokens, config.num_q_heads, kLatentDim}) +
-         ScratchArena::aligned_bytes(DType::kBF16, {num_tokens, kKvLoraRank}) +
-         ScratchArena::aligned_bytes(DType::kBF16, {num_tokens, kRopeDim});
+  return ScratchArena::total_bytes(
+      {ScratchArena::aligned_bytes(config.q_dtype, {num_tokens, config.num_q_heads, kLatentDim}),
+       ScratchArena::aligned_bytes(DType::kBF16, {num_tokens, kKvLoraRank}),
+       ScratchArena::aligned_bytes(DType::kBF16, {num_tokens, kRopeDim})});
 }
 
 void Backend::forward_extend_chunked(const ForwardBatch& batch, const LayerParams& layer,

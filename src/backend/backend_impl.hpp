@@ -54,6 +54,10 @@ class ScratchArena {
   ScratchArena(const Workspace& workspace, const char* op) : workspace_(workspace), op_(op) {}
   TensorView take(const char* what, DType dtype, std::initializer_list<int64_t> shape);
   static size_t aligned_bytes(DType dtype, std::initializer_list<int64_t> shape);
+  // Sizes past kMaxBytes cannot be a workspace: aligned_bytes and total_bytes saturate there
+  // instead of wrapping around.
+  static constexpr size_t kMaxBytes = size_t(1) << 62;
+  static size_t total_bytes(std::initializer_list<size_t> sizes);
 
  private:
   const Workspace& workspace_;

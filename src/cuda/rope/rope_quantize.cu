@@ -65,68 +65,55 @@ __global__ void __launch_bounds__(256) rope_quantize_kernel(const __grid_constan
     const int64_t t = row / p.num_heads;   // token
     const int64_t h = row % p.num_heads;   // head
     const int64_t pos = load_index(p.positions, p.positions_int64, p.positions_stride, t);
+    const bool nope = c < kNopeChunks;
+    const int e0 = (c - kNopeChunks) * kChunk;  // rope chunks: first rope element of the chunk
+    OutT* dst = nope ? static_cast<OutT*>(p.nope_out) + t * p.nope_out_stride_t +
+                           h * p.nope_out_stride_h + c * kChunk
+                     : static_cast<OutT*>(p.pe_out) + t * p.pe_out_stride_t + h * p.pe_out_stride_h + e0;
     float values[kChunk];
     if (pos < 0 || pos >= p.max_position) {
 #pragma unroll
       for (int k = 0; k < kChunk; ++k) values[k] = __int_as_float(0x7fffffff);  // NaN (fp8: NaN too)
-      OutT* dst = c < kNopeChunks
-          ? static_cast<OutT*>(p.nope_out) + t * p.nope_out_stride_t + h * p.nope_out_stride_h + c * kChunk
-          : static_cast<OutT*>(p.pe_out) + t * p.pe_out_stride_t + h * p.pe_out_stride_h +
-                (c - kNopeChunks) * kChunk;
-      store_chunk<OutT, kChunk>(dst, p.vectorised, values);
-      continue;
-    }
-
-    if (c < kNopeChunks) {
+    } else if (nope) {
       const InT* src = static_cast<const InT*>(p.nope_in) + t * p.nope_in_stride_t +
                        h * p.nope_in_stride_h + c * kChunk;
       load_chunk<InT, kChunk>(src, p.vectorised, values);
-      if constexpr (kIsFp8<OutT>) {
-#pragma unroll
-        for (int k = 0; k < kChunk; ++k) values[k] = values[k] / p.scale;
-      }
-      OutT* dst = static_cast<OutT*>(p.nope_out) + t * p.nope_out_stride_t +
-                  h * p.nope_out_stride_h + c * kChunk;
-      store_chunk<OutT, kChunk>(dst, p.vectorised, values);
-      continue;
-    }
-
-    const int e0 = (c - kNopeChunks) * kChunk;  // first rope element of this chunk
-    const InT* pe = static_cast<const InT*>(p.pe_in) + t * p.pe_in_stride_t + h * p.pe_in_stride_h;
-    const float* cos = p.cos_sin + pos * p.cos_sin_stride;
-    const float* sin = cos + kHalfRope;
-    float own[kChunk];
-    load_chunk<InT, kChunk>(pe + e0, p.vectorised, own);
-    if (p.neox) {
-      // Element e pairs with e +- 32 at angle e % 32; chunks never straddle the halves.
-      const bool first_half = e0 < kHalfRope;
-      float partner[kChunk];
-      load_chunk<InT, kChunk>(pe + (first_half ? e0 + kHalfRope : e0 - kHalfRope), p.vectorised,
-                              partner);
-      const int a0 = first_half ? e0 : e0 - kHalfRope;  // first angle
-#pragma unroll
-      for (int k = 0; k < kChunk; ++k) {
-        const float c_k = __ldg(cos + a0 + k), s_k = __ldg(sin + a0 + k);
-        values[k] = first_half
-            ? __fsub_rn(__fmul_rn(own[k], c_k), __fmul_rn(partner[k], s_k))   // x1' = x1 c - x2 s
-            : __fadd_rn(__fmul_rn(own[k], c_k), __fmul_rn(partner[k], s_k));  // x2' = x2 c + x1 s
-      }
     } else {
-      // Element 2i pairs with 2i + 1 at angle i.
+      const InT* pe = static_cast<const InT*>(p.pe_in) + t * p.pe_in_stride_t + h * p.pe_in_stride_h;
+      const float* cos = p.cos_sin + pos * p.cos_sin_stride;
+      const float* sin = cos + kHalfRope;
+      float own[kChunk];
+      load_chunk<InT, kChunk>(pe + e0, p.vectorised, own);
+      if (p.neox) {
+        // Element e pairs with e +- 32 at angle e % 32; chunks never straddle the halves.
+        const bool first_half = e0 < kHalfRope;
+        float partner[kChunk];
+        load_chunk<InT, kChunk>(pe + (first_half ? e0 + kHalfRope : e0 - kHalfRope), p.vectorised,
+                                partner);
+        const int a0 = first_half ? e0 : e0 - kHalfRope;  // first angle
 #pragma unroll
-      for (int k = 0; k < kChunk; k += 2) {
-        const int a = (e0 + k) / 2;
-        const float c_a = __ldg(cos + a), s_a = __ldg(sin + a);
-        const float x1 = own[k], x2 = own[k + 1];
-        values[k] = __fsub_rn(__fmul_rn(x1, c_a), __fmul_rn(x2, s_a));
-        values[k + 1] = __fadd_rn(__fmul_rn(x2, c_a), __fmul_rn(x1, s_a));
+        for (int k = 0; k < kChunk; ++k) {
+          const float c_k = __ldg(cos + a0 + k), s_k = __ldg(sin + a0 + k);
+          values[k] = first_half
+              ? __fsub_rn(__fmul_rn(own[k], c_k), __fmul_rn(partner[k], s_k))   // x1' = x1 c - x2 s
+              : __fadd_rn(__fmul_rn(own[k], c_k), __fmul_rn(partner[k], s_k));  // x2' = x2 c + x1 s
+        }
+      } else {
+        // Element 2i pairs with 2i + 1 at angle i.
+#pragma unroll
+        for (int k = 0; k < kChunk; k += 2) {
+          const int a = (e0 + k) / 2;
+          const float c_a = __ldg(cos + a), s_a = __ldg(sin + a);
+          const float x1 = own[k], x2 = own[k + 1];
+          values[k] = __fsub_rn(__fmul_rn(x1, c_a), __fmul_rn(x2, s_a));
+          values[k + 1] = __fadd_rn(__fmul_rn(x2, c_a), __fmul_rn(x1, s_a));
+        }
       }
     }
-    if constexpr (kIsFp8<OutT>) {
+    if constexpr (kIsFp8<OutT>) {  // NaN stays NaN
 #pragma unroll
       for (int k = 0; k < kChunk; ++k) values[k] = values[k] / p.scale;
     }
-    OutT* dst = static_cast<OutT*>(p.pe_out) + t * p.pe_out_stride_t + h * p.pe_out_stride_h + e0;
     store_chunk<OutT, kChunk>(dst, p.vectorised, values);
   }
 }
