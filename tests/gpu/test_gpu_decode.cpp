@@ -955,6 +955,29 @@ TEST(GpuDecodeHopper, DtypesLayoutsAndOddParts) {
   }
 }
 
+// A dozen items a CTA (three CTAs for twenty requests of 128 heads: two row tiles each), with
+// empty, one-tile, odd and even tile counts among them, so that every item change follows every
+// kind of item; then variable query lengths with requests of no queries (items without rows).
+TEST(GpuDecodeHopper, ManyItemsPerCta) {
+  MLA_REQUIRE_HOPPER();
+  DecodeCase c = hopper_case(128, 64, {0, 1, 64, 65, 128, 129, 700, 33, 0, 256, 5, 191, 192, 2, 0, 300, 64, 1000, 7, 130});
+  c.num_parts = 3;
+  c.use_schedule = true;
+  c.seed = 25000;
+  check_case(c);
+  DecodeCase v;
+  v.num_heads = 128;
+  v.page_size = 64;
+  v.q_lens = {2, 0, 1, 0, 3, 1, 0, 2, 1, 1, 0, 2};
+  v.kv_lens = {70, 5, 1, 9, 400, 64, 0, 129, 0, 333, 12, 65};
+  v.use_cu_q_lens = true;
+  v.kernel = DecodeKernel::kHopper;
+  v.num_parts = 2;
+  v.use_schedule = true;
+  v.seed = 25001;
+  check_case(v);
+}
+
 TEST(GpuDecodeGraph, CaptureAndReplayWithNewLengths) {
   MLA_REQUIRE_GPU();
   constexpr int kMaxBatch = 16, kHeads = 16, kPageSize = 32, kMaxBlocks = 64, kMaxQLen = 4;

@@ -73,6 +73,14 @@ namespace {
 
 using namespace mla::cuda::sm90;
 
+// Build-time knobs for measuring a change before it becomes the only path (0: off).
+#ifndef MLA_DECODE_Q_EARLY
+#define MLA_DECODE_Q_EARLY 0
+#endif
+#ifndef MLA_DECODE_FIRST_TILES_FIRST
+#define MLA_DECODE_FIRST_TILES_FIRST 0
+#endif
+
 constexpr int kHopperThreads = 384;
 constexpr int kStages = 2;
 constexpr int kGroups = 3;                         // L, R, PE
@@ -248,6 +256,12 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
         if (stage == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
+#if MLA_DECODE_FIRST_TILES_FIRST
+      // An item's first tile of the stage lands before its next tile is asked of L2: at the start
+      // of a call every CTA's first tiles then come before any CTA's prefetches. Only the
+      // producer starts a phase of these barriers, so the parity cannot be a later phase's.
+      if (prefetch && t == stage) mbar_wait(&full[group_order(stage, kGroups - 1)], phase);
+#endif
       // The stage's next tile to L2, so that its load waits for L2 once the stage is released.
       if (prefetch)
         for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
@@ -259,12 +273,12 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
 
 // Q rows [row0, row0 + valid_rows) of the item -> swizzled Q boxes; rows past valid_rows are
 // zero. Thread t owns row t / kPerRow and its 16-byte chunks t % kPerRow + kPerRow j, so the row's
-// source addresses are computed once; all its asynchronous copies are in flight at once and
-// waited for before returning. The 64-row consumers: 256 threads, 4 a row (18 copies each); the
+// source addresses are computed once; all its asynchronous copies are in flight at once, as one
+// commit group (load_q also waits for it). The 64-row consumers: 256 threads, 4 a row (18 copies each); the
 // narrow ones: 128 threads, 8 a row, 16 rows. Code size matters here: this runs once per item,
 // from a cold instruction cache.
 template <typename T, int kPerRow>
-__device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int t) {
+__device__ __forceinline__ void issue_q(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int t) {
   constexpr int kChunks = kHeadDim / 8;  // 72 chunks of 8 values: 64 of q_nope, 8 of q_pe
   const int row = int(unsigned(t) / kPerRow), c0 = int(unsigned(t) % kPerRow);  // t >= 0
   const bool valid = row < r.valid_rows;
@@ -276,6 +290,10 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r
     cp_async_16(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8), q.chunk(c), valid);
   }
   cp_async_commit();
+}
+template <typename T, int kPerRow>
+__device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int t) {
+  issue_q<T, kPerRow>(p, r, sq, t);
   cp_async_wait<0>();
 }
 
@@ -784,6 +802,58 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
   uint32_t phase[2] = {0, 0};
   uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
 
+#if MLA_DECODE_Q_EARLY
+  // Each item's Q is issued one pass ahead, as soon as this warpgroup's pairs of the item before
+  // are done, so that its load overlaps the row sums and stores. Pass k runs item k's pairs (none
+  // in pass 0), issues item k + 1's Q, then stores item k: one call site each.
+  const int ct = int(threadIdx.x) - 128;
+  WorkItem item{};
+  ItemRange r{};
+  int it = end;  // the pass's item (end: none)
+  for (int scan = begin;;) {
+    RowState rs;
+    float m[2] = {-INFINITY, -INFINITY};
+    float l[2] = {0.0f, 0.0f};
+    float o[128];
+    if (it < end) {
+      cp_async_wait<0>();
+      fence_proxy_async();
+      named_sync(kBarItem, 256);  // every thread's chunks of Q have landed
+      if (left && wt == 0) MLA_DECODE_STAMP_FIRST(kTraceQ);
+      rs = row_state(p, r, wt);
+#pragma unroll
+      for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+      if (left)
+        left_pairs<T>(hp, r, rs, sm, wt, lane, o, m, l, xb_phase, phase);
+      else
+        right_pairs<T>(hp, r, rs, sm, wt, lane, o, m, l, xb_phase, phase);
+      // Nothing reads Q after the pairs: this warpgroup's warps have waited for their last S (the
+      // barrier), and the other warpgroup's last S was waited for before it published the pair
+      // statistics this one has waited for (WG1 reads WG2's kXB after WG2's last odd tile's S;
+      // WG2 reads WG1's kXA of the last pair, published after WG1's last S).
+      named_sync(left ? kBarLeft : kBarRight, 128);
+    }
+    WorkItem next{};
+    ItemRange next_r{};
+    for (; scan < end; ++scan) {  // the next item with rows
+      next = fetch_item(p, scan, lane_of_cta);
+      next_r = item_range(p.layout, next, hp.block_m);
+      if (next_r.valid_rows > 0) break;
+    }
+    if (scan < end && next_r.num_tiles > 0) issue_q<T, 4>(p, next_r, smem + SmemLayout::q, ct);
+    if (it < end) {
+      float inv_l[2];
+      finish_rows(p, r, item, rs, smem, left, it, sums_phase, l, m, lane, inv_l);
+      if (left && wt == 0) MLA_DECODE_STAMP(kTraceSums);
+      store_o(p, r, item, o, rs.row_local, inv_l, left ? 0 : 256, lane);
+      if (wt == 0) MLA_DECODE_STAMP(left ? kTraceStoredL : kTraceStoredR);
+    }
+    if (scan >= end) break;
+    it = scan++;
+    item = next;
+    r = next_r;
+  }
+#else
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
@@ -806,6 +876,7 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
     store_o(p, r, item, o, rs.row_local, inv_l, left ? 0 : 256, lane);
     if (wt == 0) MLA_DECODE_STAMP(left ? kTraceStoredL : kTraceStoredR);
   }
+#endif
 }
 
 // ---- Narrow tiles (at most 16 query rows: 16 heads or fewer with one query) ------------------
@@ -1069,13 +1140,16 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   if (wg == 0) {
     // The narrow consumers need fewer registers; the producer takes 16 more (its loop then keeps
     // the work range in registers). 128 x 56 + 256 x 224 = 64,512 of the SM's 65,536.
-    setmaxnreg_dec<kNarrow ? 56 : 40>();
+    // With MLA_DECODE_FIRST_TILES_FIRST the 64-row producer also waits for its first tiles,
+    // which at 40 registers spills: it takes 48 and reads its work range after the change.
+    constexpr bool kWide = kNarrow || MLA_DECODE_FIRST_TILES_FIRST;
+    setmaxnreg_dec<kNarrow ? 56 : kWide ? 48 : 40>();
     if (threadIdx.x == 0 || threadIdx.x == 32) {
-      if constexpr (kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer
+      if constexpr (kWide) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer
       run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
     }
   } else {
-    setmaxnreg_inc<kNarrow ? 224 : 232>();
+    setmaxnreg_inc<kNarrow || MLA_DECODE_FIRST_TILES_FIRST ? 224 : 232>();
     if constexpr (kNarrow) {
       if (wg == 1) run_narrow_consumer<T>(hp, smem);  // WG2: nothing to do
     } else
