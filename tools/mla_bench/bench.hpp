@@ -180,13 +180,21 @@ class Runner {
   virtual std::vector<Measurement> run_prefill(const PrefillProblem& p, int warmup, int iters) = 0;
 };
 
+// Which decode rows the CUDA runner times (see --rows).
+struct DecodeRows {
+  bool portable = true;        // "mla-sm80-mma": the portable kernel with the schedule
+  bool hopper = true;          // "mla-sm90-wgmma": the Hopper kernel with the schedule
+  bool unsplit = true;         // "...-unsplit": the kernel mla_decode picks, no schedule
+  bool deterministic = false;  // "...-deterministic": the deterministic mode
+  bool naive = true;           // "naive-cublas": the baseline
+};
+
 std::unique_ptr<Runner> make_cpu_runner();
 #if defined(MLA_WITH_CUDA)
 bool cuda_device_available();
 // How the L2 is emptied before each timed run (see --flush).
 enum class L2Flush : uint8_t { kWrite, kRead, kNone };
-// deterministic_rows: decode also times mla_decode's deterministic mode.
-std::unique_ptr<Runner> make_cuda_runner(L2Flush flush, bool deterministic_rows = false);
+std::unique_ptr<Runner> make_cuda_runner(L2Flush flush, DecodeRows rows = {});
 #endif
 
 // Median of a non-empty sample.

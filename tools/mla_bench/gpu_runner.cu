@@ -214,8 +214,7 @@ unsigned grid_for(size_t n, unsigned block) {
 
 class GpuRunner final : public Runner {
  public:
-  GpuRunner(L2Flush flush, bool deterministic_rows)
-      : flush_mode_(flush), deterministic_rows_(deterministic_rows) {
+  GpuRunner(L2Flush flush, DecodeRows rows) : flush_mode_(flush), rows_(rows) {
     MLA_CUDA_CHECK(cudaGetDevice(&device_));
     MLA_CUDA_CHECK(cudaGetDeviceProperties(&props_, device_));
     int driver = 0, runtime = 0;
@@ -289,8 +288,8 @@ class GpuRunner final : public Runner {
     const double plan_graph_us = graph_median_us(warmup, iters, [&] {
       plan_decode(schedule, kv_lens_view, TensorView{}, c.q_len, c.q_len, stream_);
     });
-    // Kernels: the portable one and the Hopper one (where it applies), each with the schedule;
-    // then the one mla_decode picks without a schedule, and (--deterministic on) in the
+    // Kernels (those --rows asks for): the portable one and the Hopper one (where it applies),
+    // each with the schedule; then the one mla_decode picks without a schedule, and in the
     // deterministic mode. mla_decode_kernel_name throws for a kernel that does not apply to the
     // case or the card.
     struct Variant {
@@ -298,10 +297,11 @@ class GpuRunner final : public Runner {
       DecodeKernel kernel;
       bool deterministic;
     };
-    std::vector<Variant> variants = {{&schedule, DecodeKernel::kPortable, false},
-                                     {&schedule, DecodeKernel::kHopper, false},
-                                     {nullptr, DecodeKernel::kAuto, false}};
-    if (deterministic_rows_) variants.push_back({nullptr, DecodeKernel::kAuto, true});
+    std::vector<Variant> variants;
+    if (rows_.portable) variants.push_back({&schedule, DecodeKernel::kPortable, false});
+    if (rows_.hopper) variants.push_back({&schedule, DecodeKernel::kHopper, false});
+    if (rows_.unsplit) variants.push_back({nullptr, DecodeKernel::kAuto, false});
+    if (rows_.deterministic) variants.push_back({nullptr, DecodeKernel::kAuto, true});
     std::vector<std::string> seen;
     for (const Variant& v : variants) {
       const DeviceMemory out = nan_output(out_bytes);
@@ -357,7 +357,7 @@ class GpuRunner final : public Runner {
     const size_t naive_bytes = keys_bytes + score_elems * (4 + 2) + q_bf16_bytes + p.out_numel() * 2;
     size_t free_bytes = 0, total_bytes = 0;
     MLA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    if (kv_max == 0 || naive_bytes > free_bytes / 10 * 9) return results;
+    if (!rows_.naive || kv_max == 0 || naive_bytes > free_bytes / 10 * 9) return results;
 
     const DeviceMemory keys(keys_bytes), scores(score_elems * 4), probs(score_elems * 2);
     const DeviceMemory q_bf16(q_bf16_bytes);
@@ -554,7 +554,7 @@ class GpuRunner final : public Runner {
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   L2Flush flush_mode_;
-  bool deterministic_rows_;  // decode: also the deterministic mode
+  DecodeRows rows_;  // decode: which rows to time
   DeviceMemory flush_;
   unsigned flush_value_ = 0;
 };
@@ -571,8 +571,8 @@ bool cuda_device_available() {
   return count > 0;
 }
 
-std::unique_ptr<Runner> make_cuda_runner(L2Flush flush, bool deterministic_rows) {
-  return std::make_unique<GpuRunner>(flush, deterministic_rows);
+std::unique_ptr<Runner> make_cuda_runner(L2Flush flush, DecodeRows rows) {
+  return std::make_unique<GpuRunner>(flush, rows);
 }
 
 }  // namespace mla::bench

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -51,6 +52,11 @@ each result against a float64 naive computation. Without case options it runs --
                            run left there (its inputs, its outputs and the kernels' code)
   --deterministic on|off   cuda decode: also time mla_decode's deterministic mode (unsplit
                            64-row tiles; rows named '...-deterministic'; default off)
+  --rows LIST              cuda decode: the rows to time, a comma-separated list of portable
+                           (mla-sm80-mma), hopper (mla-sm90-wgmma), unsplit (the kernel picked
+                           without a schedule), deterministic and naive (naive-cublas); default
+                           portable,hopper,unsplit,naive (plus deterministic with --deterministic
+                           on)
   --warmup N               untimed runs per case (default 1 on cpu, 5 on cuda)
   --iters N                timed runs per case; the median is reported (default 3 / 20)
   --seed N                 random seed (default 1)
@@ -72,6 +78,7 @@ struct Options {
   bool case_options_given = false;
   std::string flush = "write";
   bool deterministic_rows = false;
+  std::string rows;  // --rows, as given
   int warmup = -1;
   int iters = -1;
   uint64_t seed = 1;
@@ -98,6 +105,37 @@ DType parse_dtype(std::string_view text) {
   if (text == "fp16") return DType::kFP16;
   if (text == "fp8" || text == "fp8e4m3") return DType::kFP8E4M3;
   usage_error("--kv-dtype expects bf16, fp16 or fp8, got '" + std::string(text) + "'");
+}
+
+// --rows: the decode rows named in a comma-separated list (none: not a valid list).
+std::optional<DecodeRows> parse_rows(std::string_view list) {
+  DecodeRows rows;
+  rows.portable = rows.hopper = rows.unsplit = rows.deterministic = rows.naive = false;
+  bool any = false;
+  while (true) {
+    const size_t comma = list.find(',');
+    const std::string_view name = list.substr(0, comma);
+    bool* row = name == "portable"        ? &rows.portable
+                : name == "hopper"        ? &rows.hopper
+                : name == "unsplit"       ? &rows.unsplit
+                : name == "deterministic" ? &rows.deterministic
+                : name == "naive"         ? &rows.naive
+                                          : nullptr;
+    if (row == nullptr) return std::nullopt;
+    *row = any = true;
+    if (comma == std::string_view::npos) break;
+    list.remove_prefix(comma + 1);
+  }
+  if (!any) return std::nullopt;
+  return rows;
+}
+
+// The decode rows the options ask for: --rows, or the default set; --deterministic on adds the
+// deterministic mode's.
+DecodeRows decode_rows(const Options& o) {
+  DecodeRows rows = o.rows.empty() ? DecodeRows{} : *parse_rows(o.rows);
+  if (o.deterministic_rows) rows.deterministic = true;
+  return rows;
 }
 
 Options parse_options(int argc, char** argv) {
@@ -131,6 +169,11 @@ Options parse_options(int argc, char** argv) {
       if (value != "on" && value != "off")
         usage_error("--deterministic expects on or off, got '" + std::string(value) + "'");
       o.deterministic_rows = value == "on";
+    } else if (arg == "--rows") {
+      if (!parse_rows(value))
+        usage_error("--rows expects a comma-separated list of portable, hopper, unsplit, "
+                    "deterministic and naive, got '" + std::string(value) + "'");
+      o.rows = value;
     } else if (arg == "--json") {
       o.json_path = value;
     } else if (arg == "--warmup") {
@@ -293,7 +336,7 @@ int run(int argc, char** argv) {
       runner = make_cuda_runner(o.flush == "read"   ? L2Flush::kRead
                                 : o.flush == "none" ? L2Flush::kNone
                                                     : L2Flush::kWrite,
-                                o.deterministic_rows);
+                                decode_rows(o));
 #else
     if (o.device == "cuda") usage_error("--device cuda: this mla-bench was built without CUDA");
 #endif
