@@ -1160,8 +1160,8 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
   EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"DecodeKernel::kHopper"}));
   if (hopper_expected()) {
     EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"kv_cache is fp8e4m3", "not bf16 or fp16"}));
-    // kAuto: the Hopper kernel from 17 query rows a request on; the portable one at 16 or fewer
-    // (where it is faster) in batches below 32 requests, unless kHopper asks for it.
+    // kAuto: the Hopper kernel from 17 query rows a request on; at 16 or fewer, the portable one
+    // for few key tiles an SM (below), unless kHopper asks for the Hopper kernel.
     for (const auto& [heads, q_len, name] : {std::tuple{16, 2, "sm90-wgmma"}, std::tuple{128, 1, "sm90-wgmma"},
                                              std::tuple{16, 1, "sm80-mma"}, std::tuple{8, 2, "sm80-mma"},
                                              std::tuple{3, 6, "sm90-wgmma"}}) {
@@ -1173,12 +1173,27 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
       forced.kernel = DecodeKernel::kHopper;
       EXPECT_STREQ(mla_decode_kernel_name(forced), "sm90-wgmma") << heads << " heads, q_len " << q_len;
     }
-    for (const auto& [batch, name] : {std::pair{31, "sm80-mma"}, std::pair{32, "sm90-wgmma"}}) {
-      DecodeCase b = fixed(16, 64, std::vector<int>(size_t(batch), 3));
+    // At 16 rows or fewer, by the key tiles an SM the block table's width allows: the Hopper
+    // kernel from a batch of 16 and 12 tiles of 64 keys an SM.
+    int sms = 0;
+    MLA_TEST_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const auto name_for = [&](int batch, int page_size, int64_t width_pages) {
+      DecodeCase b = fixed(16, page_size, std::vector<int>(size_t(batch), 3));
       const DecodeData bd = make_data(b);
       DeviceData bdev(bd);
-      EXPECT_STREQ(mla_decode_kernel_name(bdev.args(bd)), name) << "16 heads, batch " << batch;
-    }
+      MlaDecodeArgs a = bdev.args(bd);
+      DeviceBuffer table(size_t(batch * width_pages) * sizeof(int32_t));
+      a.block_table = TensorView::contiguous(table.ptr, DType::kInt32, {batch, width_pages}, Device::cuda(0));
+      return std::string(mla_decode_kernel_name(a));
+    };
+    const int64_t w16 = (12 * int64_t(sms) + 15) / 16;  // tiles (pages of 64) for 12 an SM at B 16
+    EXPECT_EQ(name_for(16, 64, w16), "sm90-wgmma");
+    EXPECT_EQ(name_for(16, 64, w16 - 1), "sm80-mma");
+    EXPECT_EQ(name_for(16, 32, 2 * w16), "sm90-wgmma");      // pages of 32: twice as many
+    EXPECT_EQ(name_for(16, 32, 2 * w16 - 2), "sm80-mma");
+    EXPECT_EQ(name_for(15, 64, 100 * w16), "sm80-mma");      // below a batch of 16: any width
+    EXPECT_EQ(name_for(64, 64, 3), "sm80-mma");              // short contexts at B 64
+    EXPECT_EQ(name_for(256, 64, (12 * sms + 255) / 256), "sm90-wgmma");
   }
   MLA_TEST_CUDA(cudaDeviceSynchronize());
 }

@@ -94,15 +94,19 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 }
 
 // kAuto's choice. With `deterministic`, the Hopper kernel wherever it applies. Otherwise, from
-// 17 query rows a request on, the Hopper kernel. At 16 rows or fewer (16
-// heads, one query; its narrow consumers) it streams the cache faster but starts slower. On an
-// H200, against the portable kernel: faster from a batch of 32 requests on (B 32 kv 4k -5 %,
-// B 48 kv 4k -12 %, B 64 kv 4k -10 %, B 128 kv 16k -17 %, B 256 kv 1k -7 %; B 32 kv 1k +5 %),
-// 2-8 % slower below with up to 4k keys (B 16 kv 4k, B 1), where few tiles a CTA make the call
-// latency-bound (B 16 kv 16k is 9 % faster on it, but the lengths are not known on the host)
-// (docs/perf-notes.md; measured at 16 heads, the same tiles as 1-8 heads).
+// 17 query rows a request on, the Hopper kernel. At 16 rows or fewer (16 heads, one query; its
+// narrow consumers) it streams the cache faster but starts slower, so it pays by the key tiles
+// each SM streams. On an H200, against the portable kernel (16 heads, the same tiles as 1-8
+// heads; docs/perf-notes.md), by 64-key tiles an SM: 1.9 (B 1 kv 16k) +14 %, 3.9 (B 32 kv 1k)
+// +5 %, 7.75 (B 16 kv 4k, B 64 kv 1k) +2 to +3 %, 15.5 (B 32 kv 4k, B 128 kv 1k) -5 to -3 %,
+// 31 (B 16 kv 16k, B 64 kv 4k) -9 to -10 %; below a batch of 16 it is slower at any length.
+// The lengths are on the device, so the tiles are bounded by the block table's width: the
+// Hopper kernel from a batch of 16 when that width allows 12 tiles an SM. A table as wide as
+// the longest context an engine serves then picks it from a batch of 16 whatever the lengths
+// (at most +5 %, at short ones).
 constexpr int64_t kHopperMinRows = 17;
-constexpr int64_t kHopperFewRowsMinBatch = 32;
+constexpr int64_t kHopperFewRowsMinBatch = 16;
+constexpr int64_t kHopperFewRowsMinTilesPerSm = 12;
 
 bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
   if (args.kernel == DecodeKernel::kPortable) return false;
@@ -115,8 +119,11 @@ bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
   if (args.deterministic) return true;
   const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;
   const int64_t max_q_len = args.cu_q_lens.empty() ? args.q_len : args.max_q_len;
-  return int64_t(max_q_len) * (q_main.ndim >= 2 ? q_main.shape[1] : 1) >= kHopperMinRows ||
-         args.kv_lens.shape[0] >= kHopperFewRowsMinBatch;
+  if (int64_t(max_q_len) * (q_main.ndim >= 2 ? q_main.shape[1] : 1) >= kHopperMinRows) return true;
+  const int64_t batch = args.kv_lens.shape[0];
+  const int64_t width_tiles = (args.block_table.shape[1] * args.kv_cache.shape[1] + kBlockN - 1) / kBlockN;
+  return batch >= kHopperFewRowsMinBatch &&
+         batch * width_tiles >= kHopperFewRowsMinTilesPerSm * current_device_info().sm_count;
 }
 
 // MlaDecodeArgs::check_metadata: the lengths and the block table copied to the host and checked
