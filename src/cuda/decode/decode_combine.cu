@@ -40,6 +40,12 @@
 #include "cuda/decode/decode_device.cuh"
 #include "cuda/decode/decode_launch.hpp"
 
+// Build-time knob (CMake MLA_DECODE_KNOBS) for measuring a change before it becomes the only
+// path: MLA_COMBINE_MAX_FIRST=1 takes the row's LSE as a max, then independent exps.
+#ifndef MLA_COMBINE_MAX_FIRST
+#define MLA_COMBINE_MAX_FIRST 0
+#endif
+
 namespace mla::cuda::decode {
 namespace {
 
@@ -289,6 +295,25 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
           const int k = k0 + lane + 32 * u;
           v[u] = k < n ? lse_k[int64_t(k) * kMaxBlockM] : -INFINITY;
         }
+#if MLA_COMBINE_MAX_FIRST
+        // The round's max first, then its four exps independent of each other.
+        const float m_r = fmaxf(fmaxf(v[0], v[1]), fmaxf(v[2], v[3]));
+        float s_r = 0.0f;
+        if (m_r != -INFINITY) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) s_r += expf(v[u] - m_r);
+        }
+        merge_lse(lse_max, lse_sum, m_r, s_r);
+      }
+      // The warp's max, then each lane's sum moved to it and the sums added.
+      float row_max = lse_max;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, off));
+      if (row_max != -INFINITY) lse_sum = lse_max == -INFINITY ? 0.0f : lse_sum * expf(lse_max - row_max);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) lse_sum += __shfl_xor_sync(0xffffffffu, lse_sum, off);
+      lse_max = row_max;
+#else
 #pragma unroll
         for (int u = 0; u < 4; ++u) merge_lse(lse_max, lse_sum, v[u], 1.0f);
       }
@@ -298,6 +323,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
         const float other_sum = __shfl_xor_sync(0xffffffffu, lse_sum, off);
         merge_lse(lse_max, lse_sum, other_max, other_sum);
       }
+#endif
       if (lse_max != -INFINITY) {
         lse = lse_max + logf(lse_sum);
         MLA_COMBINE_STAMP(0);
