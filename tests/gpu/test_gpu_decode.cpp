@@ -955,9 +955,12 @@ TEST(GpuDecodeHopper, DtypesLayoutsAndOddParts) {
   }
 }
 
-// A dozen items a CTA (three CTAs for twenty requests of 128 heads: two row tiles each), with
-// empty, one-tile, odd and even tile counts among them, so that every item change follows every
-// kind of item; then variable query lengths with requests of no queries (items without rows).
+// Many items a CTA, so that every item change follows every kind of item: twenty requests of 128
+// heads on a plan of 3 parts (two lanes, one for each row tile: two CTAs run all twenty items,
+// the third none), with empty, one-tile, odd and even tile counts; then variable query lengths
+// (two parts, one lane); then items without rows: with two queries a request has four row tiles,
+// so a plan of 4 parts has four lanes, and lanes 2 and 3 of a request with one query (or none)
+// have no rows.
 TEST(GpuDecodeHopper, ManyItemsPerCta) {
   MLA_REQUIRE_HOPPER();
   DecodeCase c = hopper_case(128, 64, {0, 1, 64, 65, 128, 129, 700, 33, 0, 256, 5, 191, 192, 2, 0, 300, 64, 1000, 7, 130});
@@ -976,6 +979,12 @@ TEST(GpuDecodeHopper, ManyItemsPerCta) {
   v.use_schedule = true;
   v.seed = 25001;
   check_case(v);
+  DecodeCase e = v;
+  e.q_lens = {1, 2, 1, 1, 0, 2, 1, 1, 2, 0, 1, 1, 2, 1};
+  e.kv_lens = {70, 5, 1, 9, 400, 64, 0, 129, 3, 333, 12, 65, 128, 200};
+  e.num_parts = 4;
+  e.seed = 25002;
+  check_case(e);
 }
 
 TEST(GpuDecodeGraph, CaptureAndReplayWithNewLengths) {

@@ -831,7 +831,10 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
       // barrier), and the other warpgroup's last S was waited for before it published the pair
       // statistics this one has waited for (WG1 reads WG2's kXB after WG2's last odd tile's S;
       // WG2 reads WG1's kXA of the last pair, published after WG1's last S).
-      named_sync(left ? kBarLeft : kBarRight, 128);
+      if (left)  // (an id known at compile time at each call: ptxas counts the barriers it may use)
+        named_sync(kBarLeft, 128);
+      else
+        named_sync(kBarRight, 128);
     }
     WorkItem next{};
     ItemRange next_r{};
@@ -1139,7 +1142,8 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) >> 7, 0);
   if (wg == 0) {
     // The narrow consumers need fewer registers; the producer takes 16 more (its loop then keeps
-    // the work range in registers). 128 x 56 + 256 x 224 = 64,512 of the SM's 65,536.
+    // the work range in registers). Narrow: 128 x 56 + 256 x 224 = 64,512 of the CTA's 64,512
+    // (168 a thread at launch); 64-row tiles: 128 x 40 + 256 x 232 = 64,512.
     // With MLA_DECODE_FIRST_TILES_FIRST the 64-row producer also waits for its first tiles,
     // which at 40 registers spills: it takes 48 and reads its work range after the change.
     constexpr bool kWide = kNarrow || MLA_DECODE_FIRST_TILES_FIRST;
