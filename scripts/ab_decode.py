@@ -19,6 +19,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 
 
 def parse_build(spec):
@@ -52,6 +53,9 @@ def main():
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeout", type=float, default=120, help="seconds a run may take")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds after which no new run starts (the best of the runs done is "
+                         "reported; a round cut short leaves some builds with a run fewer)")
     a = ap.parse_args()
     tags = [tag for tag, _, _ in a.build]
     if len(set(tags)) != len(tags):
@@ -61,44 +65,48 @@ def main():
     best = {}  # (case index, kernel) -> {tag: (time_us, verified)}
     failed = {}  # (case index, tag) -> runs that exited non-zero (crash, timeout, unverified row)
     ok = True
-    for rnd in range(1, a.rounds + 1):
-        for ci, case in enumerate(a.case):
-            for tag, path, extra in a.build:
-                stem = os.path.join(a.out, f"case{ci}.{tag}.{rnd}")
-                cmd = [path, "--device", a.device, "--op", "decode", "--warmup", str(a.warmup),
-                       "--iters", str(a.iters), *shlex.split(case), "--json", stem + ".json"]
-                env = dict(os.environ, **extra)
-                if os.path.exists(stem + ".json"):
-                    os.remove(stem + ".json")  # never read a previous run's results
-                try:
-                    with open(stem + ".err", "w") as err:
-                        rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
-                                            timeout=a.timeout).returncode
-                except subprocess.TimeoutExpired:
-                    rc = "timeout"
-                except OSError as e:
-                    rc = e.strerror
-                if rc != 0:
-                    # mla-bench exits 1 when a row fails verification but still writes its JSON:
-                    # those rows are read (and shown NOT VERIFIED); the run is counted as failed.
-                    print(f"run failed ({rc}): {' '.join(cmd)}", file=sys.stderr)
-                    ok = False
-                    failed[(ci, tag)] = failed.get((ci, tag), 0) + 1
-                if not os.path.exists(stem + ".json"):
-                    continue
-                with open(stem + ".json") as f:
-                    rows = json.load(f)["rows"]
-                for r in rows:
-                    if r.get("time_us") is None:
-                        ok = False
-                        continue
-                    verified = bool(r.get("verified"))
-                    ok = ok and verified
-                    record(best, ci, r["kernel"], tag, r["time_us"], verified)
-                    if r.get("plan_us") is not None:  # the plan's time, carried by every row
-                        record(best, ci, "plan_decode", tag, r["plan_us"], True)
-                    if r.get("graph_us") is not None:  # the same call replayed from a CUDA graph
-                        record(best, ci, r["kernel"] + " (graph)", tag, r["graph_us"], verified)
+    started = time.monotonic()
+    runs = [(rnd, ci, case, build) for rnd in range(1, a.rounds + 1)
+            for ci, case in enumerate(a.case) for build in a.build]
+    for i, (rnd, ci, case, (tag, path, extra)) in enumerate(runs):
+        if a.deadline is not None and time.monotonic() - started > a.deadline:
+            print(f"deadline: {i} of {len(runs)} runs done", file=sys.stderr)
+            break
+        stem = os.path.join(a.out, f"case{ci}.{tag}.{rnd}")
+        cmd = [path, "--device", a.device, "--op", "decode", "--warmup", str(a.warmup),
+               "--iters", str(a.iters), *shlex.split(case), "--json", stem + ".json"]
+        env = dict(os.environ, **extra)
+        if os.path.exists(stem + ".json"):
+            os.remove(stem + ".json")  # never read a previous run's results
+        try:
+            with open(stem + ".err", "w") as err:
+                rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                    timeout=a.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        except OSError as e:
+            rc = e.strerror
+        if rc != 0:
+            # mla-bench exits 1 when a row fails verification but still writes its JSON:
+            # those rows are read (and shown NOT VERIFIED); the run is counted as failed.
+            print(f"run failed ({rc}): {' '.join(cmd)}", file=sys.stderr)
+            ok = False
+            failed[(ci, tag)] = failed.get((ci, tag), 0) + 1
+        if not os.path.exists(stem + ".json"):
+            continue
+        with open(stem + ".json") as f:
+            rows = json.load(f)["rows"]
+        for r in rows:
+            if r.get("time_us") is None:
+                ok = False
+                continue
+            verified = bool(r.get("verified"))
+            ok = ok and verified
+            record(best, ci, r["kernel"], tag, r["time_us"], verified)
+            if r.get("plan_us") is not None:  # the plan's time, carried by every row
+                record(best, ci, "plan_decode", tag, r["plan_us"], True)
+            if r.get("graph_us") is not None:  # the same call replayed from a CUDA graph
+                record(best, ci, r["kernel"] + " (graph)", tag, r["graph_us"], verified)
 
     base = tags[0]
     for (ci, tag), n in sorted(failed.items()):
