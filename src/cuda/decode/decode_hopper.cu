@@ -48,8 +48,12 @@
 //       264 µs (0.68).
 //   v4  one item loop and one epilogue for both consumer warpgroups (89 KB of code): 252 µs.
 //   v5  narrow consumers for tiles of at most 16 rows: 16 h B 64 kv 4k 97.4 -> 94.0 µs.
+//   v6  each item's Q issued as soon as the pairs before it are done (run_consumer): 128 h
+//       B 64 / 128 / 256 kv 1k -0.5 to -1.5 %, the rest unchanged.
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
-//   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes.
+//   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, an item's first tiles
+//   landing before the next ones are prefetched (B 1 -2 %, but the producer's wait needs 8 more
+//   registers, taken from the consumers: kv 16k +1 to +2 %).
 #include "cuda/decode/decode_hopper.hpp"
 
 #include <cuda.h>
@@ -73,14 +77,6 @@ namespace {
 
 using namespace mla::cuda::sm90;
 
-// Build-time knobs for measuring a change before it becomes the only path (0: off).
-#ifndef MLA_DECODE_Q_EARLY
-#define MLA_DECODE_Q_EARLY 0
-#endif
-#ifndef MLA_DECODE_FIRST_TILES_FIRST
-#define MLA_DECODE_FIRST_TILES_FIRST 0
-#endif
-
 constexpr int kHopperThreads = 384;
 constexpr int kStages = 2;
 constexpr int kGroups = 3;                         // L, R, PE
@@ -99,7 +95,7 @@ __host__ __device__ constexpr int group_order(int stage, int i) {
 }
 
 // Named barriers (0 is __syncthreads), passed (bar.sync) by both consumer warpgroups or by one.
-constexpr int kBarItem = 1;   // item start / Q ready
+constexpr int kBarItem = 1;   // item start: Q landed (both consumer warpgroups)
 constexpr int kBarLeft = 2;   // WG1 alone
 constexpr int kBarRight = 3;  // WG2 alone
 
@@ -256,12 +252,6 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
         if (stage == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
-#if MLA_DECODE_FIRST_TILES_FIRST
-      // An item's first tile of the stage lands before its next tile is asked of L2: at the start
-      // of a call every CTA's first tiles then come before any CTA's prefetches. Only the
-      // producer starts a phase of these barriers, so the parity cannot be a later phase's.
-      if (prefetch && t == stage) mbar_wait(&full[group_order(stage, kGroups - 1)], phase);
-#endif
       // The stage's next tile to L2, so that its load waits for L2 once the stage is released.
       if (prefetch)
         for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
@@ -534,15 +524,6 @@ __device__ __forceinline__ void finish_rows(const DecodeParams& p, const ItemRan
   }
 }
 
-// Both consumer warpgroups: wait until the other is done with the previous item, load Q.
-template <typename T>
-__device__ __forceinline__ void start_item(const DecodeParams& p, const ItemRange& r, uint8_t* smem, int ct) {
-  named_sync(kBarItem, 256);
-  if (r.num_tiles > 0) load_q<T, 4>(p, r, smem + SmemLayout::q, ct);
-  fence_proxy_async();
-  named_sync(kBarItem, 256);
-}
-
 // Shared-memory views both consumer warpgroups use.
 struct ConsumerSmem {
   float* m0;  // WG1 -> WG2 row statistics of a pair
@@ -802,7 +783,6 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
   uint32_t phase[2] = {0, 0};
   uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
 
-#if MLA_DECODE_Q_EARLY
   // Each item's Q is issued one pass ahead, as soon as this warpgroup's pairs of the item before
   // are done, so that its load overlaps the row sums and stores. Pass k runs item k's pairs (none
   // in pass 0), issues item k + 1's Q, then stores item k: one call site each.
@@ -856,30 +836,6 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
     item = next;
     r = next_r;
   }
-#else
-  for (int it = begin; it < end; ++it) {
-    const WorkItem item = fetch_item(p, it, lane_of_cta);
-    const ItemRange r = item_range(p.layout, item, hp.block_m);
-    if (r.valid_rows <= 0) continue;
-    start_item<T>(p, r, smem, int(threadIdx.x) - 128);
-    if (left && wt == 0) MLA_DECODE_STAMP_FIRST(kTraceQ);
-    const RowState rs = row_state(p, r, wt);
-    float m[2] = {-INFINITY, -INFINITY};
-    float l[2] = {0.0f, 0.0f};
-    float o[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.0f;
-    if (left)
-      left_pairs<T>(hp, r, rs, sm, wt, lane, o, m, l, xb_phase, phase);
-    else
-      right_pairs<T>(hp, r, rs, sm, wt, lane, o, m, l, xb_phase, phase);
-    float inv_l[2];
-    finish_rows(p, r, item, rs, smem, left, it, sums_phase, l, m, lane, inv_l);
-    if (left && wt == 0) MLA_DECODE_STAMP(kTraceSums);
-    store_o(p, r, item, o, rs.row_local, inv_l, left ? 0 : 256, lane);
-    if (wt == 0) MLA_DECODE_STAMP(left ? kTraceStoredL : kTraceStoredR);
-  }
-#endif
 }
 
 // ---- Narrow tiles (at most 16 query rows: 16 heads or fewer with one query) ------------------
@@ -1144,16 +1100,13 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     // The narrow consumers need fewer registers; the producer takes 16 more (its loop then keeps
     // the work range in registers). Narrow: 128 x 56 + 256 x 224 = 64,512 of the CTA's 64,512
     // (168 a thread at launch); 64-row tiles: 128 x 40 + 256 x 232 = 64,512.
-    // With MLA_DECODE_FIRST_TILES_FIRST the 64-row producer also waits for its first tiles,
-    // which at 40 registers spills: it takes 48 and reads its work range after the change.
-    constexpr bool kWide = kNarrow || MLA_DECODE_FIRST_TILES_FIRST;
-    setmaxnreg_dec<kNarrow ? 56 : kWide ? 48 : 40>();
+    setmaxnreg_dec<kNarrow ? 56 : 40>();
     if (threadIdx.x == 0 || threadIdx.x == 32) {
-      if constexpr (kWide) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer
+      if constexpr (kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer
       run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
     }
   } else {
-    setmaxnreg_inc<kNarrow || MLA_DECODE_FIRST_TILES_FIRST ? 224 : 232>();
+    setmaxnreg_inc<kNarrow ? 224 : 232>();
     if constexpr (kNarrow) {
       if (wg == 1) run_narrow_consumer<T>(hp, smem);  // WG2: nothing to do
     } else
