@@ -77,6 +77,14 @@ namespace {
 
 using namespace mla::cuda::sm90;
 
+// Build-time knob (CMake MLA_DECODE_KNOBS), off by default until a device call has measured it:
+// MLA_DECODE_PREFETCHER=1 moves the 64-row kernel's L2 prefetch of a stage's next tile from the
+// producer to an idle thread of its warpgroup (run_prefetcher), which asks for an item's first
+// tiles' successors only once those tiles have landed.
+#ifndef MLA_DECODE_PREFETCHER
+#define MLA_DECODE_PREFETCHER 0
+#endif
+
 constexpr int kHopperThreads = 384;
 constexpr int kStages = 2;
 constexpr int kGroups = 3;                         // L, R, PE
@@ -225,6 +233,7 @@ __device__ __forceinline__ void issue_group(const HopperParams& hp, int request,
 }
 
 // The producer of one stage: walks the CTA's items and loads the tiles t with t % 2 == stage.
+template <bool kPrefetcher>
 __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, int begin, int end,
                              int lane_of_cta) {
   const DecodeParams& p = hp.p;
@@ -253,9 +262,42 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
       // The stage's next tile to L2, so that its load waits for L2 once the stage is released.
-      if (prefetch)
+      if (prefetch && !kPrefetcher)
         for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
           prefetch_keys_l2(p, item.request, key0 + 2 * kBlockN + sub, hp.box_rows, r.kv_end);
+      phase ^= 1;
+    }
+  }
+}
+
+// The L2 prefetch of one stage's tiles, from a thread of the producer warpgroup that has nothing
+// else to do (MLA_DECODE_PREFETCHER): it walks the producer's tiles and, where the prefetch
+// applies, asks L2 for tile t + 2 once every group of the stage is free for tile t (the phases
+// the producer waits for before issuing them), or, for an item's first tile of the stage, once
+// its last group has landed, so that at the start of a call every CTA's first tiles come before
+// any CTA's prefetches. It arrives on the stage's empty barriers once a tile, after those waits
+// (their count has one arrival more): the producer cannot reload the stage before the
+// prefetcher has passed the tile, so neither barrier runs a phase ahead of the parity it waits
+// for, and every group's arrival counts toward the phase after the one it has seen complete
+// (stage 1's R group is released by WG2, its L and PE by WG1, in no fixed order).
+__device__ void run_prefetcher(const HopperParams& hp, uint8_t* smem, int stage, int begin, int end,
+                               int lane_of_cta) {
+  const DecodeParams& p = hp.p;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full) + stage * kGroups;
+  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty) + stage * kGroups;
+  const int last = group_order(stage, kGroups - 1);  // the group the producer issues last
+  uint32_t phase = 0;
+  for (int it = begin; it < end; ++it) {
+    const WorkItem item = fetch_item(p, it, lane_of_cta);
+    const ItemRange r = item_range(p.layout, item, hp.block_m);
+    const bool prefetch = row_tiles(r.g.q_len, p.layout.num_heads, hp.block_m) > 1;
+    for (int t = stage; t < r.num_tiles; t += 2) {
+      for (int g = 0; g < kGroups; ++g) mbar_wait(&empty[g], phase ^ 1);  // tile t may load
+      if (t == stage) mbar_wait(&full[last], phase);  // an item's first tile: it has landed
+      for (int g = 0; g < kGroups; ++g) mbar_arrive(&empty[g]);
+      if (prefetch)
+        for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
+          prefetch_keys_l2(p, item.request, r.kv_begin + (t + 2) * kBlockN + sub, hp.box_rows, r.kv_end);
       phase ^= 1;
     }
   }
@@ -264,8 +306,8 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
 // Q rows [row0, row0 + valid_rows) of the item -> swizzled Q boxes; rows past valid_rows are
 // zero. Thread t owns row t / kPerRow and its 16-byte chunks t % kPerRow + kPerRow j, so the row's
 // source addresses are computed once; all its asynchronous copies are in flight at once, as one
-// commit group (load_q also waits for it). The 64-row consumers: 256 threads, 4 a row (18 copies each); the
-// narrow ones: 128 threads, 8 a row, 16 rows. Code size matters here: this runs once per item,
+// commit group (load_q also waits for it). The 64-row consumers: 256 threads, 4 a row (18 copies
+// each); the narrow ones: 128 threads, 8 a row, 16 rows. Code size matters here: this runs once per item,
 // from a cold instruction cache.
 template <typename T, int kPerRow>
 __device__ __forceinline__ void issue_q(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int t) {
@@ -1065,6 +1107,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   // generic ST / LD (P exchange, row statistics, zeroed tails).
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const DecodeParams& p = hp.p;
+  constexpr bool kPrefetcher = MLA_DECODE_PREFETCHER && !kNarrow;  // the 64-row kernel's prefetch
 
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   if (threadIdx.x == 0) {
@@ -1080,7 +1123,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       mbar_init(&full[b], 1);
       // One arrival per warp of the releasing warpgroup; the narrow consumers' every thread
       // arrives (no lane test between their wgmma waits: ptxas would serialise them).
-      mbar_init(&empty[b], kNarrow ? 128 : 4);
+      mbar_init(&empty[b], kNarrow ? 128 : kPrefetcher ? 5 : 4);
     }
     for (int b = 0; b < kExchanges; ++b) mbar_init(&xbar[b], 128);  // every writer thread
     mbar_init_fence();
@@ -1103,7 +1146,9 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     setmaxnreg_dec<kNarrow ? 56 : 40>();
     if (threadIdx.x == 0 || threadIdx.x == 32) {
       if constexpr (kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer
-      run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
+      run_producer<kPrefetcher>(hp, smem, threadIdx.x >> 5, begin, end, lane);
+    } else if (kPrefetcher && (threadIdx.x == 64 || threadIdx.x == 96)) {
+      run_prefetcher(hp, smem, (threadIdx.x >> 5) - 2, begin, end, lane);
     }
   } else {
     setmaxnreg_inc<kNarrow ? 224 : 232>();
