@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """mla-bench --part K/N and bench/merge_results.py: the parts of a sweep together run every case
 once, with the results of the whole run (same seeds), and merge into one file; bad --part and
---flush values, and runs of different cards or flushes, are rejected with a message. Also
+--flush and --rows values, and runs of different cards or flushes, are rejected with a message. Also
 --kv-min (requests of mixed lengths).
 
     python3 tests/tools/test_bench_parts.py MLA_BENCH MERGE_RESULTS_PY
@@ -56,6 +56,10 @@ def main(bench, merge):
 
         r = run([bench, *common, "--flush", "both"], expect_rc=2)
         assert "--flush expects write, read or none, got 'both'" in r.stderr, r.stderr
+        for bad in ("hopper,fast", "", "hopper,", ",naive"):
+            r = run([bench, *common, "--rows", bad], expect_rc=2)
+            assert f"--rows expects a comma-separated list of portable, hopper, unsplit, deterministic and naive, got '{bad}'" in r.stderr, r.stderr
+        run([bench, *common, "--rows", "hopper,unsplit,naive"])  # valid (the CPU runner has one row)
 
         # Mixed lengths (--kv-min): the case runs and verifies, its row names the range; a range
         # that ends below its start is a usage error.
