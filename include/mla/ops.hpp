@@ -114,8 +114,9 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
 // and either more than 16 query rows a request (max_q_len x heads), or a batch of 16 requests or
 // more whose block table is wide enough for 12 key tiles of 64 an SM (batch x table width in
 // tokens / 64 >= 12 x SMs: with fewer tiles a CTA the portable kernel is faster at 16 rows), or
-// `deterministic`; anything else runs the portable mma.sync kernel (sm_80 and newer). kPortable always runs the portable kernel; kHopper runs the Hopper kernel or
-// throws mla::Error saying which condition fails. Both give the same results up to fp32 rounding
+// `deterministic`; anything else runs the portable mma.sync kernel (sm_80 and newer). kPortable
+// always runs the portable kernel; kHopper runs the Hopper kernel or throws mla::Error saying
+// which condition fails. Both give the same results up to fp32 rounding
 // order. Ignored on the CPU.
 enum class DecodeKernel { kAuto, kPortable, kHopper };
 

@@ -78,7 +78,7 @@ struct Options {
   bool case_options_given = false;
   std::string flush = "write";
   bool deterministic_rows = false;
-  std::string rows;  // --rows, as given
+  std::optional<DecodeRows> rows;  // --rows
   int warmup = -1;
   int iters = -1;
   uint64_t seed = 1;
@@ -111,7 +111,6 @@ DType parse_dtype(std::string_view text) {
 std::optional<DecodeRows> parse_rows(std::string_view list) {
   DecodeRows rows;
   rows.portable = rows.hopper = rows.unsplit = rows.deterministic = rows.naive = false;
-  bool any = false;
   while (true) {
     const size_t comma = list.find(',');
     const std::string_view name = list.substr(0, comma);
@@ -122,21 +121,21 @@ std::optional<DecodeRows> parse_rows(std::string_view list) {
                 : name == "naive"         ? &rows.naive
                                           : nullptr;
     if (row == nullptr) return std::nullopt;
-    *row = any = true;
-    if (comma == std::string_view::npos) break;
+    *row = true;
+    if (comma == std::string_view::npos) return rows;
     list.remove_prefix(comma + 1);
   }
-  if (!any) return std::nullopt;
-  return rows;
 }
 
+#if defined(MLA_WITH_CUDA)
 // The decode rows the options ask for: --rows, or the default set; --deterministic on adds the
 // deterministic mode's.
 DecodeRows decode_rows(const Options& o) {
-  DecodeRows rows = o.rows.empty() ? DecodeRows{} : *parse_rows(o.rows);
+  DecodeRows rows = o.rows.value_or(DecodeRows{});
   if (o.deterministic_rows) rows.deterministic = true;
   return rows;
 }
+#endif
 
 Options parse_options(int argc, char** argv) {
   Options o;
@@ -170,10 +169,10 @@ Options parse_options(int argc, char** argv) {
         usage_error("--deterministic expects on or off, got '" + std::string(value) + "'");
       o.deterministic_rows = value == "on";
     } else if (arg == "--rows") {
-      if (!parse_rows(value))
+      o.rows = parse_rows(value);
+      if (!o.rows)
         usage_error("--rows expects a comma-separated list of portable, hopper, unsplit, "
                     "deterministic and naive, got '" + std::string(value) + "'");
-      o.rows = value;
     } else if (arg == "--json") {
       o.json_path = value;
     } else if (arg == "--warmup") {

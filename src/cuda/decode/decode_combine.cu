@@ -304,8 +304,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       // The warp's max, then each lane's sum moved to it and the sums added.
       float row_max = lse_max;
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, off));
-      if (row_max != -INFINITY) lse_sum = lse_max == -INFINITY ? 0.0f : lse_sum * expf(lse_max - row_max);
+      for (int off = 16; off > 0; off >>= 1)
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, off));
+      // (a lane with no piece has max -inf and sum 0: 0 * exp(-inf) = 0)
+      if (row_max != -INFINITY) lse_sum *= expf(lse_max - row_max);
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) lse_sum += __shfl_xor_sync(0xffffffffu, lse_sum, off);
       lse_max = row_max;

@@ -307,8 +307,8 @@ __device__ void run_prefetcher(const HopperParams& hp, uint8_t* smem, int stage,
 // zero. Thread t owns row t / kPerRow and its 16-byte chunks t % kPerRow + kPerRow j, so the row's
 // source addresses are computed once; all its asynchronous copies are in flight at once, as one
 // commit group (load_q also waits for it). The 64-row consumers: 256 threads, 4 a row (18 copies
-// each); the narrow ones: 128 threads, 8 a row, 16 rows. Code size matters here: this runs once per item,
-// from a cold instruction cache.
+// each); the narrow ones: 128 threads, 8 a row, 16 rows. Code size matters here: this runs once
+// per item, from a cold instruction cache.
 template <typename T, int kPerRow>
 __device__ __forceinline__ void issue_q(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int t) {
   constexpr int kChunks = kHeadDim / 8;  // 72 chunks of 8 values: 64 of q_nope, 8 of q_pe
