@@ -52,6 +52,11 @@ struct DecodeSchedule {
   int max_split_units = 0;  // row tiles whose keys are split over several CTAs
   int max_slots = 0;        // partial-result slots (one per piece of a split row tile)
 
+  // A deterministic schedule (make_deterministic_decode_schedule): every request's keys are cut
+  // every split_keys keys; requests have at most max_kv_len keys. 0 for the balanced schedule.
+  int split_keys = 0;
+  int max_kv_len = 0;
+
   // Byte offsets of the arrays inside the workspace (each 256-byte aligned).
   size_t header_offset = 0;       // header: counts and the planned batch shape
   size_t items_offset = 0;        // [max_items] work items (request, row tile, key range, slot)
@@ -60,6 +65,25 @@ struct DecodeSchedule {
   size_t partial_lse_offset = 0;  // [max_slots, 64] fp32
   size_t partial_out_offset = 0;  // [max_slots, 64, 512] in the output's dtype (room for fp32)
 };
+
+// Deterministic split-KV (MlaDecodeArgs::deterministic with a schedule). The balanced schedule
+// cuts the keys where the whole batch puts them, so a request's output moves (within rounding)
+// with the other requests; deterministic = true without a schedule runs every row tile on one
+// CTA, which leaves a small batch of long requests on a few SMs. A deterministic schedule cuts
+// every request's keys at the multiples of split_keys (pieces [0, S), [S, 2S), ...: the cuts
+// depend on the request alone), spreads the pieces over all CTAs, and the combine adds a row's
+// pieces in key order: a request's output and LSE have the same bits in any batch planned on a
+// deterministic schedule with the same split_keys. Its workspace holds a partial result for
+// every piece of every row tile of 64 rows of up to max_batch requests of max_kv_len keys:
+// max_batch x ceil(max_q_len x H / 64) x ceil(max_kv_len / split_keys) slots of 128 KiB, so
+// split_keys trades memory (and a combine over more pieces) for the CTAs a short batch can use.
+// mla_decode checks that the block table cannot hold more than max_kv_len keys
+// (block_table.shape[1] x page_size <= max_kv_len). Usage as above, with
+//   size_t bytes = mla::decode_workspace_bytes_deterministic(max_batch, max_q_len, num_heads,
+//                                                             max_kv_len, split_keys);
+//   mla::DecodeSchedule sched = mla::make_deterministic_decode_schedule(ws, bytes, max_batch,
+//                                   max_q_len, num_heads, max_kv_len, split_keys);
+//   mla::plan_decode(sched, ...);  args.schedule = &sched;  args.deterministic = true;
 
 #if defined(MLA_WITH_CUDA)
 
@@ -72,6 +96,13 @@ size_t decode_workspace_bytes(int max_batch, int max_q_len, int num_heads, int n
 // or is not device memory.
 DecodeSchedule make_decode_schedule(void* workspace, size_t bytes, int max_batch, int max_q_len,
                                     int num_heads, int num_parts = 0);
+
+// The same for a deterministic schedule: split_keys a positive multiple of 64, max_kv_len >= 1.
+size_t decode_workspace_bytes_deterministic(int max_batch, int max_q_len, int num_heads,
+                                            int max_kv_len, int split_keys, int num_parts = 0);
+DecodeSchedule make_deterministic_decode_schedule(void* workspace, size_t bytes, int max_batch,
+                                                  int max_q_len, int num_heads, int max_kv_len,
+                                                  int split_keys, int num_parts = 0);
 
 // Plans the split-KV work of one batch on the GPU, without any host synchronisation:
 //   kv_lens    [B] int32 device tensor, cached tokens per request (including the new ones)
@@ -91,6 +122,15 @@ inline size_t decode_workspace_bytes(int, int, int, int = 0) {
 inline DecodeSchedule make_decode_schedule(void*, size_t, int, int, int, int = 0) {
   MLA_FAIL("make_decode_schedule: this build of mla has no CUDA support; the split-KV decode "
            "schedule exists only on the GPU");
+}
+inline size_t decode_workspace_bytes_deterministic(int, int, int, int, int, int = 0) {
+  MLA_FAIL("decode_workspace_bytes_deterministic: this build of mla has no CUDA support; the "
+           "split-KV decode schedule exists only on the GPU");
+}
+inline DecodeSchedule make_deterministic_decode_schedule(void*, size_t, int, int, int, int, int,
+                                                         int = 0) {
+  MLA_FAIL("make_deterministic_decode_schedule: this build of mla has no CUDA support; the "
+           "split-KV decode schedule exists only on the GPU");
 }
 inline void plan_decode(const DecodeSchedule&, const TensorView&, const TensorView&, int, int,
                         Stream = nullptr) {

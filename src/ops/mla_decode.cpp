@@ -5,6 +5,7 @@
 // implementation; the GPU path relies on the planner for them.
 #include "cpu/cpu_ops.hpp"
 #include "mla/error.hpp"
+#include "mla/schedule.hpp"
 #include "ops/dispatch.hpp"
 #include "ops/validate_common.hpp"
 #if defined(MLA_WITH_CUDA)
@@ -115,9 +116,15 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
             " (only the CPU derives it from cu_q_lens)");
   MLA_CHECK(batch > 0 || num_tokens == 0, op, ": ", q_name, " has ", num_tokens,
             " tokens but block_table has no requests");
-  MLA_CHECK(!args.deterministic || args.schedule == nullptr, op,
-            ": deterministic = true runs every request unsplit, so it takes no schedule (a "
-            "split-KV schedule's cuts depend on the whole batch); pass schedule = nullptr");
+  MLA_CHECK(!args.deterministic || args.schedule == nullptr || args.schedule->split_keys > 0, op,
+            ": deterministic = true takes no balanced schedule (its cuts depend on the whole "
+            "batch): pass schedule = nullptr (every request unsplit) or a schedule made by "
+            "make_deterministic_decode_schedule");
+  MLA_CHECK(args.deterministic || args.schedule == nullptr || args.schedule->split_keys == 0, op,
+            ": the schedule was made by make_deterministic_decode_schedule (split_keys ",
+            args.schedule == nullptr ? 0 : args.schedule->split_keys,
+            "), which plans 64-row tiles for deterministic = true; set deterministic = true or "
+            "use a schedule from make_decode_schedule");
   if (batch == 0 || num_tokens == 0) return;
   detail::run_on(op, device, [&] { cpu::mla_decode(args); },
                  [&] {

@@ -109,7 +109,10 @@ struct DecodeCase {
   int extra_pages = 3;         // pages no request uses
   uint64_t seed = 1;
   DecodeKernel kernel = DecodeKernel::kAuto;
-  bool deterministic = false;  // MlaDecodeArgs::deterministic (needs use_schedule = false)
+  bool deterministic = false;  // MlaDecodeArgs::deterministic
+  // With deterministic and use_schedule: a deterministic schedule cutting every split_keys keys
+  // (max_kv_len: the block table's keys). Deterministic without it runs unsplit.
+  int split_keys = 0;
 
   int batch() const { return int(kv_lens.size()); }
   int num_tokens() const { return std::accumulate(q_lens.begin(), q_lens.end(), 0); }
@@ -372,7 +375,26 @@ struct OwnedSchedule {
     ws = std::make_unique<DeviceBuffer>(bytes);
     schedule = make_decode_schedule(ws->ptr, bytes, max_batch, max_q_len, num_heads, num_parts);
   }
+  // A deterministic schedule.
+  OwnedSchedule(int max_batch, int max_q_len, int num_heads, int max_kv_len, int split_keys,
+                int num_parts) {
+    const size_t bytes = decode_workspace_bytes_deterministic(max_batch, max_q_len, num_heads,
+                                                              max_kv_len, split_keys, num_parts);
+    ws = std::make_unique<DeviceBuffer>(bytes);
+    schedule = make_deterministic_decode_schedule(ws->ptr, bytes, max_batch, max_q_len, num_heads,
+                                                  max_kv_len, split_keys, num_parts);
+  }
 };
+
+// The schedule a case asks for: deterministic (split_keys) or balanced.
+std::unique_ptr<OwnedSchedule> schedule_for(const DecodeData& d) {
+  const int max_batch = std::max<int>(1, int(d.B));
+  if (d.c.split_keys > 0)
+    return std::make_unique<OwnedSchedule>(max_batch, d.c.max_q_len(), int(d.H),
+                                           int(std::max<int64_t>(1, d.max_blocks * d.S)),
+                                           d.c.split_keys, d.c.num_parts);
+  return std::make_unique<OwnedSchedule>(max_batch, d.c.max_q_len(), int(d.H), d.c.num_parts);
+}
 
 void plan_for(const DecodeSchedule& s, const MlaDecodeArgs& a, const DecodeCase& c, Stream stream) {
   plan_decode(s, a.kv_lens, a.cu_q_lens, c.use_cu_q_lens ? 0 : a.q_len,
@@ -385,8 +407,7 @@ DecodeResult run_gpu(const DecodeData& d) {
   MlaDecodeArgs a = dev.args(d);
   std::unique_ptr<OwnedSchedule> sched;
   if (d.c.use_schedule) {
-    sched = std::make_unique<OwnedSchedule>(std::max<int>(1, int(d.B)), d.c.max_q_len(), int(d.H),
-                                            d.c.num_parts);
+    sched = schedule_for(d);
     plan_for(sched->schedule, a, d.c, nullptr);
     a.schedule = &sched->schedule;
   }
@@ -417,6 +438,8 @@ std::string describe(const DecodeCase& c) {
      << dtype_name(c.kv_dtype) << ", out " << dtype_name(c.out_dtype) << " pad " << c.out_pad
      << (c.use_cu_q_lens ? ", cu_q_lens" : ", fixed q_len") << " max_q_len " << c.max_q_len()
      << (c.use_schedule ? ", schedule parts " + std::to_string(c.num_parts) : ", no schedule")
+     << (c.deterministic ? ", deterministic" : "")
+     << (c.split_keys > 0 ? " split_keys " + std::to_string(c.split_keys) : "")
      << (c.kernel == DecodeKernel::kPortable ? ", portable kernel"
          : c.kernel == DecodeKernel::kHopper ? ", Hopper kernel" : ", kernel auto")
      << ", kv_lens {";
@@ -760,6 +783,86 @@ TEST(GpuDecodeDeterministic, RequestBitsDoNotDependOnTheBatch) {
       c.seed = uint64_t(27500 + page_size + q_len);
       check_case(c);
     }
+  }
+}
+
+// Deterministic mode with a deterministic schedule: every request's keys cut at the multiples of
+// split_keys, the pieces spread over the CTAs and combined in key order. One request's rows are
+// bit-identical alone, first or last in a small batch, inside the batch of 40 and from run to
+// run, on a schedule of any number of CTAs; and the batch matches the float64 reference. The
+// request of interest (3001 keys) is cut into several pieces at every split_keys here, the last
+// one short; among the others are requests of no keys, of no queries (cu_q_lens) and of exact
+// multiples of split_keys. Both kernels, 16 and 128 heads (two lanes of 64-row tiles).
+TEST(GpuDecodeDeterministic, SplitRequestBitsDoNotDependOnTheBatch) {
+  MLA_REQUIRE_GPU();
+  for (int heads : {16, 128}) {
+    for (DecodeKernel kernel : {DecodeKernel::kAuto, DecodeKernel::kPortable}) {
+      for (int split_keys : {256, 1024}) {
+        DecodeCase c;
+        c.num_heads = heads;
+        c.page_size = 64;
+        c.use_cu_q_lens = true;
+        c.deterministic = true;
+        c.split_keys = split_keys;
+        c.kernel = kernel;
+        c.seed = uint64_t(27700 + heads + int(kernel) + split_keys);
+        std::mt19937_64 rng(c.seed);
+        for (int b = 0; b < 40; ++b) {
+          c.kv_lens.push_back(b == 5 ? 3001 : int(rng() % 2500));
+          c.q_lens.push_back(b == 5 ? 1 : int(rng() % 4));
+        }
+        c.kv_lens[7] = 0;
+        c.kv_lens[9] = 2 * split_keys;
+        c.q_lens[9] = 2;
+        SCOPED_TRACE(describe(c));
+        const DecodeData d = make_data(c);
+        const DecodeResult whole = run_gpu(d);
+        expect_matches(d, whole, reference(d));
+        const DecodeResult again = run_gpu(d);
+        EXPECT_EQ(0, std::memcmp(whole.out.data(), again.out.data(), whole.out.size() * sizeof(float)));
+        EXPECT_EQ(0, std::memcmp(whole.lse.data(), again.lse.data(), whole.lse.size() * sizeof(float)));
+
+        const size_t out_row = size_t(heads) * kVDim;
+        const float* target_out = whole.out.data() + size_t(d.q_start[5]) * out_row;
+        const float* target_lse = whole.lse.data() + size_t(d.q_start[5]) * size_t(heads);
+        const std::vector<std::vector<int>> batches = {{5}, {5, 0, 1}, {0, 7, 2, 9, 5}};
+        for (const std::vector<int>& which : batches) {
+          for (int num_parts : {0, 7}) {
+            DecodeData part = sub_batch(d, which);
+            part.c.num_parts = num_parts;
+            const DecodeResult r = run_gpu(part);
+            const size_t at = size_t(std::find(which.begin(), which.end(), 5) - which.begin());
+            const size_t t0 = size_t(part.q_start[at]);
+            SCOPED_TRACE("a batch of " + std::to_string(which.size()) + ", the request at " +
+                         std::to_string(at) + ", parts " + std::to_string(num_parts));
+            EXPECT_EQ(0, std::memcmp(r.out.data() + t0 * out_row, target_out, out_row * sizeof(float)));
+            EXPECT_EQ(0, std::memcmp(r.lse.data() + t0 * size_t(heads), target_lse, size_t(heads) * sizeof(float)));
+            expect_matches(part, r, reference(part));
+          }
+        }
+      }
+    }
+  }
+  // The pipeline's and the combine's edges: a request in 157 pieces (past the combine's 128
+  // pieces' LSEs a round trip), one of a single key, pieces ending on a page and one key past
+  // it; 128 heads with two queries, where the first query's row tiles see one key fewer and so
+  // find their last piece empty (kv_len = split_keys + 1); every page size; fp16.
+  for (int page_size : {16, 64, 128}) {
+    DecodeCase c = fixed(16, page_size, {20000, 1, 128, 129, 0}, 1);
+    c.use_schedule = true;
+    c.deterministic = true;
+    c.split_keys = 128;
+    c.seed = uint64_t(27800 + page_size);
+    check_case(c);
+  }
+  for (int q_len : {1, 2}) {
+    DecodeCase c = fixed(128, 64, {513, 512, 1, 1500}, q_len);
+    c.deterministic = true;
+    c.split_keys = 512;
+    c.seed = uint64_t(27900 + q_len);
+    check_case(c);
+    c.q_dtype = c.kv_dtype = c.out_dtype = DType::kFP16;
+    check_case(c);
   }
 }
 
@@ -1141,6 +1244,56 @@ TEST(GpuDecodeErrors, ScheduleArguments) {
   EXPECT_TRUE(throws_error([&] { plan_decode(s, kv_f, TensorView{}, 1, 0); }, {"plan_decode", "kv_lens"}));
   EXPECT_TRUE(throws_error([&] { plan_decode(DecodeSchedule{}, kv3, TensorView{}, 1, 0); },
                            {"plan_decode", "workspace"}));
+}
+
+// Deterministic schedules: their capacity arguments, and mla_decode's pairing of the schedule
+// with the mode and of the block table with max_kv_len.
+TEST(GpuDecodeErrors, DeterministicScheduleArguments) {
+  MLA_REQUIRE_GPU();
+  EXPECT_TRUE(throws_error([&] { decode_workspace_bytes_deterministic(8, 2, 16, 4096, 100); },
+                           {"decode_workspace_bytes_deterministic", "split_keys", "multiple of 64"}));
+  EXPECT_TRUE(throws_error([&] { decode_workspace_bytes_deterministic(8, 2, 16, 4096, 0); },
+                           {"split_keys"}));
+  EXPECT_TRUE(throws_error([&] { decode_workspace_bytes_deterministic(8, 2, 16, 0, 1024); },
+                           {"max_kv_len"}));
+  EXPECT_TRUE(throws_error([&] { decode_workspace_bytes_deterministic(0, 2, 16, 4096, 1024); },
+                           {"max_batch"}));
+  EXPECT_TRUE(throws_error([&] { decode_workspace_bytes_deterministic(1 << 20, 8, 128, 1 << 30, 64); },
+                           {"capacity too large"}));
+  // Room for every piece: 8 requests x 1 row tile x 4 pieces of 1024 keys, 128 KiB a slot.
+  EXPECT_GE(decode_workspace_bytes_deterministic(8, 2, 16, 4096, 1024), size_t(8 * 4) * 64 * 512 * 4);
+  const size_t bytes = decode_workspace_bytes_deterministic(8, 2, 16, 4096, 1024);
+  DeviceBuffer ws(bytes);
+  EXPECT_TRUE(throws_error(
+      [&] { make_deterministic_decode_schedule(ws.ptr, bytes - 256, 8, 2, 16, 4096, 1024); },
+      {"make_deterministic_decode_schedule", "too small", "split_keys 1024",
+       "decode_workspace_bytes_deterministic"}));
+
+  DecodeCase c = fixed(16, 64, {300, 4000});
+  const DecodeData d = make_data(c);
+  const int table_keys = int(d.max_blocks * d.S);
+  DeviceData dev(d);
+  MlaDecodeArgs a = dev.args(d);
+  OwnedSchedule fixed_s(8, 2, 16, table_keys, 1024, 0);
+  plan_for(fixed_s.schedule, a, c, nullptr);
+  a.schedule = &fixed_s.schedule;
+  a.deterministic = false;
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); },
+                           {"mla_decode", "make_deterministic_decode_schedule", "deterministic = true"}));
+  a.deterministic = true;
+  OwnedSchedule balanced(8, 2, 16);
+  a.schedule = &balanced.schedule;
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"mla_decode", "balanced schedule"}));
+  // A schedule for contexts one page shorter than the block table holds.
+  OwnedSchedule short_ctx(8, 2, 16, table_keys - 64, 1024, 0);
+  plan_for(short_ctx.schedule, a, c, nullptr);
+  a.schedule = &short_ctx.schedule;
+  const std::string bound = "max_kv_len " + std::to_string(table_keys - 64);
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"mla_decode", "block_table", bound.c_str()}));
+  a.schedule = &fixed_s.schedule;
+  plan_for(fixed_s.schedule, a, c, nullptr);
+  EXPECT_NO_THROW(mla_decode(a));
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
 }
 
 TEST(GpuDecodeErrors, HopperKernelMustApply) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/decode/decode_params.cuh"
+#include "fixed_split_model.hpp"
 #include "gpu_util.hpp"
 #include "mla/schedule.hpp"
 
@@ -231,6 +232,109 @@ TEST(GpuDecodeSchedule, EqualRequestsGetEqualPieces) {
   check_plan(std::vector<int>(6, 1000), 16, 5, 13);  // 80 rows: two row tiles, two lanes
   check_plan(std::vector<int>(5, 1000), 16, 5, 1);   // one part: the tiles are units
   check_plan(std::vector<int>(5, 1000), 16, 5, 3);   // three parts, two tiles: lanes 2 of 1 part
+}
+
+// The deterministic plan (make_deterministic_decode_schedule): the kernel writes exactly the
+// sequential model's plan (fixed_split_model.hpp, whose invariants the CPU tests check): the same
+// items in the same order with their parts, slots and the requests' geometry, the same part_begin
+// and split units, and a header for 64-row tiles whose split_keys makes the combine add a row's
+// pieces in key order. q_lens given: variable query counts through cu_q_lens (0 among them).
+void check_fixed_plan(const std::vector<int>& kv_lens, const std::vector<int>& q_lens, int heads,
+                      int num_parts, int split_keys, int max_kv_len) {
+  const int batch = int(kv_lens.size());
+  const int max_q = std::max(1, *std::max_element(q_lens.begin(), q_lens.end()));
+  SCOPED_TRACE("fixed plan: batch " + std::to_string(batch) + ", heads " + std::to_string(heads) +
+               ", max_q_len " + std::to_string(max_q) + ", parts " + std::to_string(num_parts) +
+               ", split_keys " + std::to_string(split_keys) + ", max_kv_len " + std::to_string(max_kv_len));
+  const size_t bytes =
+      decode_workspace_bytes_deterministic(batch, max_q, heads, max_kv_len, split_keys, num_parts);
+  HostTensor ws_host(DType::kInt32, {int64_t(bytes / 4)});
+  std::memset(ws_host.data(), 0xff, bytes);
+  DeviceTensor ws(ws_host);
+  std::vector<int> cu(1, 0);
+  for (int q : q_lens) cu.push_back(cu.back() + q);
+  HostTensor lens_host = int32_tensor(kv_lens), cu_host = int32_tensor(cu);
+  DeviceTensor lens(lens_host), cu_dev(cu_host);
+  const DecodeSchedule s = make_deterministic_decode_schedule(ws.ptr, bytes, batch, max_q, heads,
+                                                              max_kv_len, split_keys, num_parts);
+  EXPECT_EQ(s.split_keys, split_keys);
+  EXPECT_EQ(s.max_kv_len, max_kv_len);
+  plan_decode(s, lens.view(), cu_dev.view(), 0, max_q);
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
+  ws.download();
+
+  const int tiles_max = model_row_tiles(max_q, heads);
+  const int lanes = tiles_max >= 2 && tiles_max <= s.num_parts ? tiles_max : 1;
+  const int parts = s.num_parts / lanes;
+  std::vector<int> clamped;
+  for (int kv : kv_lens) clamped.push_back(std::clamp(kv, 0, max_kv_len));
+  const FixedPlanModel m = model_fixed_plan(q_lens, clamped, heads, lanes, parts, split_keys);
+
+  const ScheduleHeader h = read_at<ScheduleHeader>(ws_host, s.header_offset, 1)[0];
+  ASSERT_EQ(h.magic, kScheduleMagic);
+  EXPECT_EQ(h.block_m, 64);
+  EXPECT_EQ(h.batch_size, batch);
+  EXPECT_EQ(h.num_heads, heads);
+  EXPECT_EQ(h.num_parts, s.num_parts);
+  EXPECT_EQ(h.lanes, lanes);
+  EXPECT_EQ(h.split_keys, split_keys);
+  EXPECT_EQ(h.num_slots, m.num_slots);
+  EXPECT_EQ(h.max_pieces, m.max_pieces);
+  ASSERT_EQ(h.num_items, int(m.items.size()));
+  ASSERT_EQ(h.num_split_units, int(m.split_units.size()));
+  EXPECT_LE(int64_t(h.num_slots) * lanes, s.max_slots);
+
+  const std::vector<WorkItem> items = read_at<WorkItem>(ws_host, s.items_offset, size_t(h.num_items));
+  for (size_t i = 0; i < items.size(); ++i) {
+    const WorkItem& w = items[i];
+    const ModelItem& e = m.items[i];
+    SCOPED_TRACE("item " + std::to_string(i));
+    ASSERT_EQ(w.request, e.request);
+    EXPECT_EQ(w.row_tile, e.row_tile);
+    EXPECT_EQ(w.kv_begin, e.kv_begin);
+    EXPECT_EQ(w.kv_end, e.kv_end);
+    EXPECT_EQ(w.slot, e.slot);
+    EXPECT_EQ(w.part, e.part);
+    EXPECT_EQ(w.q_start, cu[size_t(e.request)]);
+    EXPECT_EQ(w.q_len, q_lens[size_t(e.request)]);
+    EXPECT_EQ(w.kv_len, clamped[size_t(e.request)]);
+  }
+  EXPECT_EQ(read_at<int>(ws_host, s.part_begin_offset, size_t(parts) + 1), m.part_begin);
+  const std::vector<SplitUnit> splits =
+      read_at<SplitUnit>(ws_host, s.split_units_offset, size_t(h.num_split_units));
+  for (size_t i = 0; i < splits.size(); ++i) {
+    SCOPED_TRACE("split unit " + std::to_string(i));
+    EXPECT_EQ(splits[i].request, m.split_units[i].request);
+    EXPECT_EQ(splits[i].row_tile, m.split_units[i].row_tile);
+    EXPECT_EQ(splits[i].slot_begin, m.split_units[i].slot_begin);
+    EXPECT_EQ(splits[i].num_pieces, m.split_units[i].num_pieces);
+    EXPECT_EQ(splits[i].q_start, cu[size_t(splits[i].request)]);
+    EXPECT_EQ(splits[i].q_len, q_lens[size_t(splits[i].request)]);
+    EXPECT_EQ(splits[i].kv_len, clamped[size_t(splits[i].request)]);
+  }
+}
+
+TEST(GpuDecodeSchedule, DeterministicPlanIsTheModelsPlan) {
+  MLA_REQUIRE_GPU();
+  std::mt19937 rng(11);
+  auto lengths = [&](int batch, int max_len) {
+    std::vector<int> v(static_cast<size_t>(batch));
+    for (int& x : v) x = int(rng() % uint32_t(max_len + 1));
+    return v;
+  };
+  for (int heads : {16, 128}) {
+    for (int num_parts : {0, 1, 7, 132}) {
+      check_fixed_plan({16384}, {1}, heads, num_parts, 1024, 16384);  // one long request
+      check_fixed_plan({0, 1, 64, 65}, {1, 1, 1, 1}, heads, num_parts, 64, 4096);
+      check_fixed_plan({20000}, {1}, heads, num_parts, 128, 32768);    // 157 pieces
+      check_fixed_plan(lengths(40, 5000), lengths(40, 4), heads, num_parts, 512, 5000);
+      check_fixed_plan(lengths(600, 3000), std::vector<int>(600, 2), heads, num_parts, 1024, 3000);
+      // Keys past max_kv_len are cut off (mla_decode refuses block tables that hold more).
+      check_fixed_plan({9000, 100}, {1, 3}, heads, num_parts, 2048, 4096);
+      // Requests without queries only: no items, every part empty.
+      check_fixed_plan({500, 700}, {0, 0}, heads, num_parts, 256, 1024);
+    }
+  }
 }
 
 // A request's geometry by the rules written out once more: queries from a start >= 0 clamped to

@@ -60,6 +60,11 @@ def main(bench, merge):
             r = run([bench, *common, "--rows", bad], expect_rc=2)
             assert f"--rows expects a comma-separated list of portable, hopper, unsplit, deterministic and naive, got '{bad}'" in r.stderr, r.stderr
         run([bench, *common, "--rows", "hopper,unsplit,naive"])  # valid (the CPU runner has one row)
+        for bad, message in (("100", "--split-keys expects a multiple of 64, got '100'"),
+                             ("-64", "--split-keys expects an integer in [0, 2147483647], got '-64'")):
+            r = run([bench, *common, "--split-keys", bad], expect_rc=2)
+            assert message in r.stderr, f"--split-keys {bad}: {r.stderr!r}"
+        run([bench, *common, "--split-keys", "1024"])  # valid (deterministic rows: cuda only)
 
         # Mixed lengths (--kv-min): the case runs and verifies, its row names the range; a range
         # that ends below its start is a usage error.

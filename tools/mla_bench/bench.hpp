@@ -147,7 +147,7 @@ double tolerance_for(DType input_dtype);
 
 // One timed kernel: the library op, or a baseline written the way a user would.
 struct Measurement {
-  std::string kernel;  // "mla-cpu"; decode "mla-sm80-mma" / "mla-sm90-wgmma" (+ "-unsplit" / "-deterministic"); prefill "mla-cuda"; "naive-cublas"
+  std::string kernel;  // "mla-cpu"; decode "mla-sm80-mma" / "mla-sm90-wgmma" (+ "-unsplit" / "-deterministic" / "-deterministic-split"); prefill "mla-cuda"; "naive-cublas"
   double time_us = 0;  // median
   HostBuffer out;      // the kernel's output, copied to the host
   // Decode on the GPU: the output of the CUDA-graph replays (graph_us), written into a buffer
@@ -187,6 +187,9 @@ struct DecodeRows {
   bool unsplit = true;         // "...-unsplit": the kernel mla_decode picks, no schedule
   bool deterministic = false;  // "...-deterministic": the deterministic mode
   bool naive = true;           // "naive-cublas": the baseline
+  // > 0, with `deterministic`: the deterministic mode on a deterministic schedule cutting every
+  // split_keys keys ("...-deterministic-split"), besides the unsplit one.
+  int split_keys = 0;
 };
 
 std::unique_ptr<Runner> make_cpu_runner();

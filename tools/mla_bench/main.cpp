@@ -52,6 +52,10 @@ each result against a float64 naive computation. Without case options it runs --
                            run left there (its inputs, its outputs and the kernels' code)
   --deterministic on|off   cuda decode: also time mla_decode's deterministic mode (unsplit
                            64-row tiles; rows named '...-deterministic'; default off)
+  --split-keys N           cuda decode: with the deterministic rows, also time the mode on a
+                           deterministic schedule that cuts every request's keys every N keys
+                           (a positive multiple of 64; rows '...-deterministic-split'; default 0:
+                           none)
   --rows LIST              cuda decode: the rows to time, a comma-separated list of portable
                            (mla-sm80-mma), hopper (mla-sm90-wgmma), unsplit (the kernel picked
                            without a schedule), deterministic and naive (naive-cublas); default
@@ -78,6 +82,7 @@ struct Options {
   bool case_options_given = false;
   std::string flush = "write";
   bool deterministic_rows = false;
+  int split_keys = 0;  // --split-keys
   std::optional<DecodeRows> rows;  // --rows
   int warmup = -1;
   int iters = -1;
@@ -133,6 +138,7 @@ std::optional<DecodeRows> parse_rows(std::string_view list) {
 DecodeRows decode_rows(const Options& o) {
   DecodeRows rows = o.rows.value_or(DecodeRows{});
   if (o.deterministic_rows) rows.deterministic = true;
+  rows.split_keys = o.split_keys;
   return rows;
 }
 #endif
@@ -168,6 +174,10 @@ Options parse_options(int argc, char** argv) {
       if (value != "on" && value != "off")
         usage_error("--deterministic expects on or off, got '" + std::string(value) + "'");
       o.deterministic_rows = value == "on";
+    } else if (arg == "--split-keys") {
+      o.split_keys = int(parse_int(arg, value, 0, kMax32));
+      if (o.split_keys % 64 != 0)
+        usage_error("--split-keys expects a multiple of 64, got '" + std::string(value) + "'");
     } else if (arg == "--rows") {
       o.rows = parse_rows(value);
       if (!o.rows)

@@ -9,7 +9,8 @@
 // Grid: a fixed kCtasPerPart x num_parts CTAs (one resident wave; graph-capturable, since the
 // number of split units is only known on the device), walking the jobs with a grid stride. A
 // job is kWarps / W rows, W warps per row, where W (1, 2, 4 or 8) follows the plan's largest
-// piece count: warp j of a row sums pieces j, j + W, ... (4 pieces per step, so 16 independent
+// piece count (1 for a deterministic plan, whose rows must add their pieces in one order whatever
+// the batch): warp j of a row sums pieces j, j + W, ... (4 pieces per step, so 16 independent
 // 16-byte loads per lane are in flight), each lane owning 16 of the 512 columns, and the W
 // partial sums meet in shared memory, where warp j sums and stores column groups j, j + W, ...
 // The row's LSE takes one pass over the pieces' LSEs (a lane's four a round trip: their max,
@@ -239,7 +240,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
   }
   const int block_m = header.block_m, lanes = header.lanes, num_slots = header.num_slots;
   const int rows = header.num_split_units * lanes * block_m;
-  const int w = warps_per_row(header.max_pieces);
+  // A deterministic plan's rows take one warp whatever their pieces, so that a row's pieces are
+  // always added in the same order (key order, four a step).
+  const int w = header.split_keys > 0 ? 1 : warps_per_row(header.max_pieces);
   const int rows_per_job = kWarps / w;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int j = warp % w;  // this warp's place among its row's warps

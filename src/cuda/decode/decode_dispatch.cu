@@ -303,6 +303,13 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
               " requests exceeds the schedule's max_batch ", s.max_batch);
     MLA_CHECK(max_q_len <= s.max_q_len, op, ": max_q_len ", max_q_len,
               " exceeds the schedule's max_q_len ", s.max_q_len);
+    // A deterministic plan cuts at most max_kv_len keys of a request (plan_decode clamps to it):
+    // the block table must not hold more, or the keys past it would be left out.
+    const int64_t table_keys = args.block_table.shape[1] * args.kv_cache.shape[1];
+    MLA_CHECK(s.split_keys == 0 || table_keys <= s.max_kv_len, op, ": block_table holds up to ",
+              table_keys, " keys a request (", args.block_table.shape[1], " pages of ",
+              args.kv_cache.shape[1], ") but the deterministic schedule was made for max_kv_len ",
+              s.max_kv_len, " (make_deterministic_decode_schedule)");
     char* ws = static_cast<char*>(s.workspace);
     p.has_schedule = 1;
     p.schedule.header = reinterpret_cast<const ScheduleHeader*>(ws + s.header_offset);

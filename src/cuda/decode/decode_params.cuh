@@ -53,7 +53,8 @@ struct __align__(16) ScheduleHeader {  // three 16-byte words (load_header)
   int lanes;            // row tiles run side by side (see below); 1 = one unit per row tile
   int num_slots;        // partial-result slots of lane 0 (lane r uses slot + r * num_slots)
   int max_pieces;       // most pieces of one split unit (the combine kernel's shape)
-  int pad[2];
+  int split_keys;       // a deterministic plan's cuts (fixed_split.hpp); 0: the balanced plan
+  int pad;
 };
 static_assert(sizeof(ScheduleHeader) == 48, "load_header reads three 16-byte words");
 // Lanes. When every request has several row tiles (more than 64 rows: 128 heads, or 16 heads with
@@ -296,6 +297,7 @@ struct PlanParams {
   BatchLayout layout;
   int block_m;           // rows per tile
   int num_parts;         // CTAs of the decode kernel
+  int split_keys;        // > 0: the deterministic plan (fixed_split.hpp), block_m 64; 0: balanced
   int max_items, max_split_units, max_slots;
   ScheduleHeader* header;
   WorkItem* items;

@@ -47,10 +47,13 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <string>
+
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/trace.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/decode/decode_launch.hpp"
+#include "cuda/decode/fixed_split.hpp"
 #include "mla/ops.hpp"
 #include "mla/schedule.hpp"
 
@@ -618,17 +621,203 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
     plan_line_wide<kOneUnit>(th, sh, total_cost, cost_base);
 }
 
+// ---- The deterministic plan (PlanParams::split_keys > 0; fixed_split.hpp) ------------------
+// One CTA, a thread per request up to 512 (a contiguous range of requests a thread past that).
+// Each thread counts its requests' items (units x pieces), split units, slots and line cost; one
+// scan of the counts and one of the costs give every thread its place. The owner of a request
+// writes its split units; the items are written by the whole CTA (item i by thread i mod
+// threads, which finds its request through the threads' first items in shared memory), so that
+// one long request's pieces do not become one thread's serial stores.
+struct FixedPlanLaunch {
+  PlanParams pp;
+  int lanes;       // plan_lanes(max_q_len, num_heads, 64, num_parts)
+  int parts;       // num_parts / lanes
+  int per_thread;  // requests a thread owns
+};
+
+struct FixedPlanShared {
+  Counts scan_counts[kPlanMaxWarps];
+  long long scan64[kPlanMaxWarps];
+  // Thread t's first item, slot and line position, and its first request's geometry.
+  int items_before[kPlanMaxThreads];
+  int slots_before[kPlanMaxThreads];
+  long long cost_before[kPlanMaxThreads];
+  RequestGeometry geometry[kPlanMaxThreads];
+  int max_pieces;
+};
+
+// A request's share of the plan: its units (the whole request with lanes, else one a row tile;
+// none without queries) and the pieces of each.
+struct FixedRequest {
+  int units, pieces;
+  __device__ int items() const { return units * pieces; }
+  __device__ int slots() const { return pieces > 1 ? units * pieces : 0; }
+  __device__ int splits() const { return pieces > 1 ? units : 0; }
+};
+__device__ __forceinline__ FixedRequest fixed_request(const FixedPlanLaunch& launch,
+                                                      const RequestGeometry& g) {
+  const int tiles = row_tiles(g.q_len, launch.pp.layout.num_heads, kMaxBlockM);
+  return {tiles == 0 ? 0 : launch.lanes > 1 ? 1 : tiles,
+          fixed_split::pieces(g.kv_len, launch.pp.split_keys)};
+}
+
+__global__ void __launch_bounds__(kPlanMaxThreads) plan_fixed_kernel(const __grid_constant__ FixedPlanLaunch launch) {
+  const PlanParams& pp = launch.pp;
+  __shared__ FixedPlanShared sh;
+  allow_dependent_launch();  // the decode kernel's CTAs start and wait for this plan
+  const int tid = int(threadIdx.x), threads = int(blockDim.x);
+  const int batch = pp.layout.batch_size, split_keys = pp.split_keys, parts = launch.parts;
+  const int b_begin = min(batch, tid * launch.per_thread);
+  const int b_end = min(batch, b_begin + launch.per_thread);
+  if (tid == 0) sh.max_pieces = 1;
+
+  // Counts and line cost of this thread's requests.
+  Counts mine{0, 0, 0, -1};
+  long long my_cost = 0;
+  int my_max_pieces = 1;
+  RequestGeometry first{};
+  for (int b = b_begin; b < b_end; ++b) {
+    const RequestGeometry g = request_geometry(pp.layout, b);
+    if (b == b_begin) first = g;
+    const FixedRequest fr = fixed_request(launch, g);
+    mine.items += fr.items();
+    mine.splits += fr.splits();
+    mine.slots += fr.slots();
+    my_cost += fr.units * fixed_split::unit_cost(g.kv_len, split_keys);
+    if (fr.splits() > 0) my_max_pieces = max(my_max_pieces, fr.pieces);
+  }
+  __syncthreads();  // sh.max_pieces is set
+  if (my_max_pieces > 1) atomicMax(&sh.max_pieces, my_max_pieces);  // read after the scans' syncs
+  Counts all;
+  const Counts before =
+      block_exclusive_scan(mine, Counts{0, 0, 0, -1}, CountsOp{}, sh.scan_counts, all);
+  long long total_cost = 0;
+  const long long cost_before = block_exclusive_scan(my_cost, 0LL, Plus{}, sh.scan64, total_cost);
+  sh.items_before[tid] = before.items;
+  sh.slots_before[tid] = before.slots;
+  sh.cost_before[tid] = cost_before;
+  sh.geometry[tid] = first;
+
+  // This thread's split units (row tiles of a request in key-ordered slots, one after another).
+  {
+    int split = before.splits, slot = before.slots;
+    for (int b = b_begin; b < b_end; ++b) {
+      const RequestGeometry g = b == b_begin ? first : request_geometry(pp.layout, b);
+      const FixedRequest fr = fixed_request(launch, g);
+      if (fr.pieces < 2) continue;
+      for (int u = 0; u < fr.units; ++u, ++split, slot += fr.pieces)
+        if (split < pp.max_split_units)
+          pp.split_units[split] = SplitUnit{b, u, slot, fr.pieces, g.q_start, g.q_len, g.kv_len, 0};
+    }
+  }
+  __syncthreads();  // the threads' places are in shared memory
+
+  // The items, a grid stride over the CTA: item i belongs to the last thread whose first item is
+  // at or before it.
+  const int num_items = all.items, stored_items = min(num_items, pp.max_items);
+  for (int i = tid; i < stored_items; i += threads) {
+    int lo = 0, hi = threads - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (sh.items_before[mid] <= i) lo = mid; else hi = mid - 1;
+    }
+    const int owner = lo;
+    int local = i - sh.items_before[owner];
+    long long position = sh.cost_before[owner];
+    int slot = sh.slots_before[owner];
+    const int owner_begin = min(batch, owner * launch.per_thread);
+    for (int b = owner_begin;; ++b) {
+      const RequestGeometry g = b == owner_begin ? sh.geometry[owner] : request_geometry(pp.layout, b);
+      const FixedRequest fr = fixed_request(launch, g);
+      const long long unit_cost = fixed_split::unit_cost(g.kv_len, split_keys);
+      if (local < fr.items()) {
+        const int u = local / fr.pieces, k = local - u * fr.pieces;
+        const long long start = position + u * unit_cost + fixed_split::piece_offset(k, split_keys);
+        const long long end = start + fixed_split::piece_cost(k, g.kv_len, split_keys);
+        const fixed_split::KeyRange keys = fixed_split::piece_keys(k, g.kv_len, split_keys);
+        pp.items[i] = WorkItem{b,
+                               u,
+                               keys.begin,
+                               keys.end,
+                               fr.pieces > 1 ? slot + u * fr.pieces + k : -1,
+                               fixed_split::part_of(start, total_cost, parts),
+                               g.q_start,
+                               g.q_len,
+                               g.kv_len,
+                               {0, 0, 0}};
+        const fixed_split::PartRange begun = fixed_split::parts_after(start, end, total_cost, parts);
+        for (int q = begun.first; q <= begun.last; ++q) pp.part_begin[q] = i + 1;
+        break;
+      }
+      local -= fr.items();
+      position += fr.units * unit_cost;
+      slot += fr.slots();
+    }
+  }
+  // Part 0 begins at item 0; with no items at all, every part is empty.
+  if (num_items == 0) {
+    for (int q = tid; q <= parts; q += threads) pp.part_begin[q] = 0;
+  } else if (tid == 0) {
+    pp.part_begin[0] = 0;
+  }
+  if (tid == 0) {
+    ScheduleHeader h{};
+    h.magic = kScheduleMagic;
+    h.num_items = stored_items;
+    h.num_split_units = min(all.splits, pp.max_split_units);
+    h.block_m = pp.block_m;
+    h.batch_size = batch;
+    h.num_heads = pp.layout.num_heads;
+    h.num_parts = pp.num_parts;
+    h.lanes = launch.lanes;
+    h.num_slots = all.slots;
+    h.max_pieces = sh.max_pieces;
+    h.split_keys = split_keys;
+    // A plan that does not fit its workspace (impossible by the capacity bounds of
+    // layout_fixed_schedule and the clamp of kv_len to max_kv_len) traps the decode kernel.
+    if (num_items > pp.max_items || all.splits > pp.max_split_units ||
+        int64_t(all.slots) * launch.lanes > pp.max_slots)
+      h.magic = 0;
+    *pp.header = h;
+  }
+}
+
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-// The schedule's capacity and array offsets (no workspace pointer yet).
-DecodeSchedule layout_schedule(const char* op, int max_batch, int max_q_len, int num_heads,
-                               int num_parts) {
+// The checks every schedule's capacity shares; returns num_parts (0: the SM count).
+int check_capacity(const char* op, int max_batch, int max_q_len, int num_heads, int num_parts) {
   MLA_CHECK(max_batch >= 1, op, ": max_batch must be >= 1, got ", max_batch);
   MLA_CHECK(max_q_len >= 1, op, ": max_q_len must be >= 1, got ", max_q_len);
   MLA_CHECK(num_heads >= 1 && num_heads <= kMaxHeads, op, ": num_heads must be in [1, ", kMaxHeads,
             "], got ", num_heads);
   MLA_CHECK(num_parts >= 0, op, ": num_parts must be >= 0 (0 = the SM count), got ", num_parts);
-  if (num_parts == 0) num_parts = current_device_info().sm_count;
+  return num_parts == 0 ? current_device_info().sm_count : num_parts;
+}
+
+// The array offsets of a schedule whose capacity (max_items, max_split_units, max_slots,
+// num_parts) is set; no workspace pointer yet.
+DecodeSchedule lay_out(DecodeSchedule s) {
+  size_t offset = 0;
+  s.header_offset = offset;
+  offset = align_up(offset + sizeof(ScheduleHeader), 256);
+  s.items_offset = offset;
+  offset = align_up(offset + sizeof(WorkItem) * size_t(s.max_items), 256);
+  s.part_begin_offset = offset;
+  offset = align_up(offset + sizeof(int) * size_t(s.num_parts + 1), 256);
+  s.split_units_offset = offset;
+  offset = align_up(offset + sizeof(SplitUnit) * size_t(s.max_split_units), 256);
+  s.partial_lse_offset = offset;
+  offset = align_up(offset + sizeof(float) * size_t(s.max_slots) * kMaxBlockM, 256);
+  s.partial_out_offset = offset;
+  offset = align_up(offset + sizeof(float) * size_t(s.max_slots) * kMaxBlockM * kValueDim, 256);
+  s.workspace_bytes = offset;
+  return s;
+}
+
+// The balanced plan's capacity and array offsets.
+DecodeSchedule layout_schedule(const char* op, int max_batch, int max_q_len, int num_heads,
+                               int num_parts) {
+  num_parts = check_capacity(op, max_batch, max_q_len, num_heads, num_parts);
   const int64_t tiles_per_request = (int64_t(max_q_len) * num_heads + 15) / 16;
   const int64_t max_units = int64_t(max_batch) * tiles_per_request;
   MLA_CHECK(max_units + num_parts <= INT_MAX / 64, op, ": capacity too large: max_batch ", max_batch,
@@ -642,27 +831,59 @@ DecodeSchedule layout_schedule(const char* op, int max_batch, int max_q_len, int
   s.max_items = int(max_units) + num_parts;
   s.max_split_units = num_parts;
   s.max_slots = 2 * num_parts;
-  size_t offset = 0;
-  s.header_offset = offset;
-  offset = align_up(offset + sizeof(ScheduleHeader), 256);
-  s.items_offset = offset;
-  offset = align_up(offset + sizeof(WorkItem) * size_t(s.max_items), 256);
-  s.part_begin_offset = offset;
-  offset = align_up(offset + sizeof(int) * size_t(num_parts + 1), 256);
-  s.split_units_offset = offset;
-  offset = align_up(offset + sizeof(SplitUnit) * size_t(s.max_split_units), 256);
-  s.partial_lse_offset = offset;
-  offset = align_up(offset + sizeof(float) * size_t(s.max_slots) * kMaxBlockM, 256);
-  s.partial_out_offset = offset;
-  offset = align_up(offset + sizeof(float) * size_t(s.max_slots) * kMaxBlockM * kValueDim, 256);
-  s.workspace_bytes = offset;
-  return s;
+  return lay_out(s);
+}
+
+// The deterministic plan's (fixed_split.hpp): row tiles of 64 rows, every unit in up to
+// pieces(max_kv_len, split_keys) pieces, each a slot of its own when there are several. At
+// least num_parts items, as the balanced plan has: a decode CTA asks L2 for item blockIdx.x /
+// lanes before it has read the plan (cta_work).
+DecodeSchedule layout_fixed_schedule(const char* op, int max_batch, int max_q_len, int num_heads,
+                                     int max_kv_len, int split_keys, int num_parts) {
+  num_parts = check_capacity(op, max_batch, max_q_len, num_heads, num_parts);
+  MLA_CHECK(split_keys >= kBlockN && split_keys % kBlockN == 0, op,
+            ": split_keys must be a positive multiple of ", kBlockN, " (the key tile), got ",
+            split_keys);
+  MLA_CHECK(max_kv_len >= 1, op, ": max_kv_len must be >= 1, got ", max_kv_len);
+  const int64_t pieces = fixed_split::pieces(max_kv_len, split_keys);
+  const int64_t max_units = int64_t(max_batch) * row_tiles(max_q_len, num_heads, kMaxBlockM);
+  const int64_t max_pieces = max_units * pieces;
+  MLA_CHECK(max_pieces + num_parts <= INT_MAX / 64, op, ": capacity too large: max_batch ",
+            max_batch, " x ", max_units / max_batch, " row tiles x ", pieces,
+            " pieces (max_kv_len ", max_kv_len, " / split_keys ", split_keys, ") gives ",
+            max_pieces, " pieces");
+  DecodeSchedule s;
+  s.max_batch = max_batch;
+  s.max_q_len = max_q_len;
+  s.num_heads = num_heads;
+  s.num_parts = num_parts;
+  s.split_keys = split_keys;
+  s.max_kv_len = max_kv_len;
+  s.max_items = int(std::max<int64_t>(max_pieces, num_parts));
+  s.max_split_units = pieces > 1 ? int(max_units) : 0;
+  s.max_slots = pieces > 1 ? int(max_pieces) : 0;
+  return lay_out(s);
 }
 
 }  // namespace
 
 void launch_plan_kernel(const PlanParams& params, cudaStream_t stream) {
   const int block_m = params.block_m, num_heads = params.layout.num_heads;
+  if (params.split_keys > 0) {
+    MLA_CHECK(block_m == kMaxBlockM, "plan_decode: a deterministic plan has row tiles of ",
+              kMaxBlockM, " rows, got ", block_m);
+    FixedPlanLaunch launch{};
+    launch.pp = params;
+    launch.lanes = plan_lanes(params.layout.max_q_len, num_heads, block_m, params.num_parts);
+    launch.parts = params.num_parts / launch.lanes;
+    MLA_CHECK(launch.parts >= 1, "plan_decode: ", params.num_parts, " parts for ", launch.lanes,
+              " lanes (the schedule needs at least one part a lane)");
+    const int threads = plan_threads(params.layout.batch_size);
+    launch.per_thread = (params.layout.batch_size + threads - 1) / threads;
+    plan_fixed_kernel<<<1, threads, 0, stream>>>(launch);
+    MLA_CUDA_CHECK_LAUNCH();
+    return;
+  }
   MLA_CHECK(block_m >= 1 && (block_m & (block_m - 1)) == 0, "plan_decode: row tiles of ", block_m,
             " rows (expected a power of two)");
   PlanLaunch launch{};
@@ -696,17 +917,29 @@ size_t decode_workspace_bytes(int max_batch, int max_q_len, int num_heads, int n
       .workspace_bytes;
 }
 
-DecodeSchedule make_decode_schedule(void* workspace, size_t bytes, int max_batch, int max_q_len,
-                                    int num_heads, int num_parts) {
-  constexpr const char* op = "make_decode_schedule";
-  DecodeSchedule s = cuda::decode::layout_schedule(op, max_batch, max_q_len, num_heads, num_parts);
+size_t decode_workspace_bytes_deterministic(int max_batch, int max_q_len, int num_heads,
+                                            int max_kv_len, int split_keys, int num_parts) {
+  return cuda::decode::layout_fixed_schedule("decode_workspace_bytes_deterministic", max_batch,
+                                             max_q_len, num_heads, max_kv_len, split_keys, num_parts)
+      .workspace_bytes;
+}
+
+namespace {
+
+// `s` (laid out) on `workspace`, after checking that it is device memory of the current device,
+// aligned and large enough; `sizes` names the function that gives the bytes.
+DecodeSchedule attach_workspace(const char* op, const char* sizes, DecodeSchedule s, void* workspace,
+                                size_t bytes) {
   MLA_CHECK(workspace != nullptr, op, ": workspace is null");
   MLA_CHECK(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, op,
             ": workspace must be 256-byte aligned (as cudaMalloc returns), got address ", workspace);
   MLA_CHECK(bytes >= s.workspace_bytes, op, ": workspace of ", bytes, " bytes is too small; ",
-            s.workspace_bytes, " bytes are needed for max_batch ", max_batch, ", max_q_len ",
-            max_q_len, ", num_heads ", num_heads, ", ", s.num_parts,
-            " parts (see decode_workspace_bytes)");
+            s.workspace_bytes, " bytes are needed for max_batch ", s.max_batch, ", max_q_len ",
+            s.max_q_len, ", num_heads ", s.num_heads,
+            s.split_keys > 0 ? ", max_kv_len " + std::to_string(s.max_kv_len) + ", split_keys " +
+                                   std::to_string(s.split_keys)
+                             : std::string(),
+            ", ", s.num_parts, " parts (see ", sizes, ")");
   cudaPointerAttributes attr{};
   MLA_CUDA_CHECK(cudaPointerGetAttributes(&attr, workspace));
   MLA_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, op,
@@ -720,6 +953,26 @@ DecodeSchedule make_decode_schedule(void* workspace, size_t bytes, int max_batch
   s.workspace_bytes = bytes;
   s.device = attr.device;
   return s;
+}
+
+}  // namespace
+
+DecodeSchedule make_decode_schedule(void* workspace, size_t bytes, int max_batch, int max_q_len,
+                                    int num_heads, int num_parts) {
+  constexpr const char* op = "make_decode_schedule";
+  return attach_workspace(op, "decode_workspace_bytes",
+                          cuda::decode::layout_schedule(op, max_batch, max_q_len, num_heads, num_parts),
+                          workspace, bytes);
+}
+
+DecodeSchedule make_deterministic_decode_schedule(void* workspace, size_t bytes, int max_batch,
+                                                  int max_q_len, int num_heads, int max_kv_len,
+                                                  int split_keys, int num_parts) {
+  constexpr const char* op = "make_deterministic_decode_schedule";
+  return attach_workspace(op, "decode_workspace_bytes_deterministic",
+                          cuda::decode::layout_fixed_schedule(op, max_batch, max_q_len, num_heads,
+                                                              max_kv_len, split_keys, num_parts),
+                          workspace, bytes);
 }
 
 void plan_decode(const DecodeSchedule& schedule, const TensorView& kv_lens,
@@ -770,8 +1023,12 @@ void plan_decode(const DecodeSchedule& schedule, const TensorView& kv_lens,
             schedule.device, " but the current device is cuda:", current);
 
   PlanParams pp{};
+  if (schedule.split_keys > 0) layout.max_kv_len = schedule.max_kv_len;  // its pieces' bound
   pp.layout = layout;
-  pp.block_m = block_m_for_rows(int64_t(layout.max_q_len) * schedule.num_heads);
+  pp.split_keys = schedule.split_keys;
+  pp.block_m = schedule.split_keys > 0
+                   ? kMaxBlockM
+                   : block_m_for_rows(int64_t(layout.max_q_len) * schedule.num_heads);
   pp.num_parts = schedule.num_parts;
   pp.max_items = schedule.max_items;
   pp.max_split_units = schedule.max_split_units;
