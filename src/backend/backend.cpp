@@ -167,6 +167,9 @@ void Backend::Impl::validate_config() {
             c.num_draft_tokens);
   MLA_CHECK(c.absorbed_max_extend_len >= 0, op,
             ": config.absorbed_max_extend_len must be >= 0, got ", c.absorbed_max_extend_len);
+  MLA_CHECK(c.deterministic_split_keys >= 0 && c.deterministic_split_keys % 64 == 0, op,
+            ": config.deterministic_split_keys must be 0 (unsplit) or a positive multiple of 64, "
+            "got ", c.deterministic_split_keys);
 }
 
 int Backend::Impl::fixed_q_len(const char* op, ForwardMode mode, int batch_num_draft_tokens) const {
@@ -537,25 +540,42 @@ void Backend::Impl::check_layer(const char* op, const LayerParams& layer) const 
             ") must be finite and > 0, got ", layer.q_scale);
 }
 
+bool Backend::Impl::uses_schedule() const {
+  // The deterministic mode runs unsplit unless it has deterministic_split_keys.
+  return config.device.type == DeviceType::kCUDA &&
+         (!config.deterministic || config.deterministic_split_keys > 0);
+}
+
 void Backend::Impl::reserve_schedule(ScheduleSlot& slot, int max_batch, int max_q_len,
                                      Stream stream) {
-  // Deterministic plans run unsplit: no schedule, no memory for one.
-  if (config.device.type != DeviceType::kCUDA || config.deterministic) return;
+  if (!uses_schedule()) return;
   max_batch = std::max(max_batch, slot.ready ? slot.schedule.max_batch : 1);
   max_q_len = std::max(max_q_len, slot.ready ? slot.schedule.max_q_len : 1);
-  const size_t bytes = decode_workspace_bytes(max_batch, max_q_len, config.num_q_heads);
+  // A deterministic schedule covers every block table the backend builds: up to max_context_len
+  // keys, padded to whole rows of pages.
+  const int split_keys = config.deterministic ? config.deterministic_split_keys : 0;
+  const int max_kv_len = int(std::min<int64_t>(
+      INT32_MAX, int64_t(padded_block_count(max_context_len, config.page_size)) * config.page_size));
+  const int heads = config.num_q_heads;
+  const size_t bytes =
+      split_keys > 0
+          ? decode_workspace_bytes_deterministic(max_batch, max_q_len, heads, max_kv_len, split_keys)
+          : decode_workspace_bytes(max_batch, max_q_len, heads);
   slot.ready = false;
   slot.buffer.reset();
   slot.buffer = detail::Buffer(bytes, config.device, stream);
-  slot.schedule = make_decode_schedule(slot.buffer.data(), bytes, max_batch, max_q_len,
-                                       config.num_q_heads);
+  slot.schedule = split_keys > 0 ? make_deterministic_decode_schedule(slot.buffer.data(), bytes,
+                                                                      max_batch, max_q_len, heads,
+                                                                      max_kv_len, split_keys)
+                                 : make_decode_schedule(slot.buffer.data(), bytes, max_batch,
+                                                        max_q_len, heads);
   slot.ready = true;
 }
 
 void Backend::Impl::attach_schedule(const char* op, Plan& p, ScheduleSlot& slot, bool may_grow,
                                     Stream stream) {
   p.schedule = nullptr;
-  if (config.device.type != DeviceType::kCUDA || config.deterministic || p.batch_size == 0) return;
+  if (!uses_schedule() || p.batch_size == 0) return;
   const int q_rows = p.cu_q_lens.empty() ? p.q_len : p.max_q_len;
   if (!slot.ready || slot.schedule.max_batch < p.batch_size || slot.schedule.max_q_len < q_rows) {
     MLA_CHECK(may_grow, op, ": the CUDA-graph split-KV schedule holds ",

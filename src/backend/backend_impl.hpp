@@ -142,12 +142,14 @@ struct Backend::Impl {
   // args.lse [rows, num_q_heads], fp32 on the configured device.
   void check_lse(const char* op, const TensorView& lse, int64_t rows, const char* rows_what) const;
   void check_chunk_index(const char* op, int chunk_idx) const;
-  // CUDA: (re)allocates `slot` for at least max_batch requests of max_q_len queries. No-op on
-  // the CPU and for a deterministic config (which runs unsplit).
+  // Whether mla_decode gets a split-KV schedule: on CUDA, unless the config is deterministic
+  // without deterministic_split_keys (which runs unsplit).
+  bool uses_schedule() const;
+  // CUDA: (re)allocates `slot` for at least max_batch requests of max_q_len queries: a balanced
+  // schedule, or a deterministic one for a deterministic config. No-op where !uses_schedule().
   void reserve_schedule(ScheduleSlot& slot, int max_batch, int max_q_len, Stream stream);
   // CUDA: plans the split-KV work of `p` (kv_lens, cu_q_lens) on the device and points
-  // p.schedule at it; grows the slot only when may_grow. No-op on the CPU and for a
-  // deterministic config.
+  // p.schedule at it; grows the slot only when may_grow. No-op where !uses_schedule().
   void attach_schedule(const char* op, Plan& p, ScheduleSlot& slot, bool may_grow, Stream stream);
 };
 

@@ -1301,6 +1301,9 @@ TEST(BackendErrors, BadConfigNamesTheField) {
   EXPECT_TRUE(bad([](BackendConfig& c) { c.prefix_chunk_capacity = 0; }, {"config.prefix_chunk_capacity"}));
   EXPECT_TRUE(bad([](BackendConfig& c) { c.num_draft_tokens = -1; }, {"config.num_draft_tokens"}));
   EXPECT_TRUE(bad([](BackendConfig& c) { c.absorbed_max_extend_len = -1; }, {"config.absorbed_max_extend_len"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.deterministic_split_keys = 100; },
+                  {"config.deterministic_split_keys", "multiple of 64"}));
+  EXPECT_TRUE(bad([](BackendConfig& c) { c.deterministic_split_keys = -64; }, {"config.deterministic_split_keys"}));
   EXPECT_TRUE(bad([](BackendConfig& c) { c.device = Device::cuda(0); }, {"config.req_to_token", "cuda:0"}));
   EXPECT_TRUE(throws_error([] { MultiStepDraftBackend d(0, BackendConfig{}); }, {"num_steps"}));
   EXPECT_TRUE(bad([](BackendConfig& c) { c.prefix_chunk_capacity = int64_t(1) << 40; },

@@ -471,10 +471,12 @@ struct DecodeFamilyCase {
   bool save = true;
   bool expect_split = false;
   bool deterministic = false;  // BackendConfig::deterministic on the CUDA backend
+  int split_keys = 0;          // BackendConfig::deterministic_split_keys
   uint64_t seed = 1;
 
   std::string describe() const {
-    return std::string(forward_mode_name(mode)) + (deterministic ? " deterministic" : "") + " page " + std::to_string(page_size) + " heads " +
+    return std::string(forward_mode_name(mode)) + (deterministic ? " deterministic" : "") +
+           (split_keys > 0 ? " split_keys " + std::to_string(split_keys) : "") + " page " + std::to_string(page_size) + " heads " +
            std::to_string(heads) + (host_lengths ? " host" : " device") + " lengths, " +
            std::string(dtype_name(index_dtype)) + " indices, " + std::string(dtype_name(kv_dtype)) +
            " cache, " + std::string(dtype_name(out_dtype)) + " out";
@@ -501,6 +503,7 @@ void check_decode_family(const DecodeFamilyCase& c) {
   BackendConfig gpu_config = make_config(pool, c.heads, true, c.out_dtype);
   cpu_config.num_draft_tokens = gpu_config.num_draft_tokens = c.num_draft_tokens;
   gpu_config.deterministic = c.deterministic;
+  gpu_config.deterministic_split_keys = c.split_keys;
   Backend cpu(cpu_config), gpu(gpu_config);
   CudaStream stream;
 
@@ -514,15 +517,16 @@ void check_decode_family(const DecodeFamilyCase& c) {
   EXPECT_EQ(plan.batch_size, int(c.requests.size()));
   EXPECT_EQ(plan.max_blocks, cpu.plan().max_blocks);
   EXPECT_EQ(plan.num_tokens, cpu.plan().num_tokens);
-  if (c.deterministic) {
-    ASSERT_EQ(plan.schedule, nullptr) << "a deterministic plan runs unsplit";
+  if (c.deterministic && c.split_keys == 0) {
+    ASSERT_EQ(plan.schedule, nullptr) << "a deterministic plan without split keys runs unsplit";
   } else {
     ASSERT_NE(plan.schedule, nullptr) << "a CUDA plan carries a split-KV schedule";
+    EXPECT_EQ(plan.schedule->split_keys, c.deterministic ? c.split_keys : 0);
   }
   gpu.forward_decode(gpu_batch, make_layer(pool, true), b.args(true, c.save), stream.get());
   MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
 
-  if (!c.deterministic) {
+  if (plan.schedule != nullptr) {
     const ScheduleHeaderCopy header = read_schedule_header(*gpu.plan().schedule);
     EXPECT_EQ(header.magic, kScheduleMagic);
     EXPECT_EQ(header.batch_size, int(c.requests.size()));
@@ -682,6 +686,31 @@ TEST(GpuBackend, DeterministicDecodeFamilyRunsUnsplitAndMatchesCpuBackend) {
   check_decode_family(c);
   c.mode = ForwardMode::kDraftExtend;
   c.requests = {{0, 200, 2}, {1, 9, 3}, {2, 70, 1}};
+  check_decode_family(c);
+}
+
+// BackendConfig::deterministic with deterministic_split_keys: a deterministic schedule is
+// planned (the long request split at the multiples of 1024 keys) and every mode matches the CPU
+// backend (a request's bits across batches are mla_decode's, tested in test_gpu_decode.cpp).
+TEST(GpuBackend, DeterministicSplitDecodeFamilyMatchesCpuBackend) {
+  MLA_REQUIRE_GPU();
+  DecodeFamilyCase c;
+  c.page_size = 64;
+  c.heads = 16;
+  c.deterministic = true;
+  c.split_keys = 1024;
+  c.expect_split = true;
+  c.max_context_len = 8192;
+  c.requests = {{0, 8000, 1}, {1, 5, 1}, {2, 700, 1}, {3, 0, 1}};
+  c.seed = 33;
+  check_decode_family(c);
+  c.heads = 128;
+  c.mode = ForwardMode::kTargetVerify;
+  c.requests = {{0, 3000, 3}, {1, 0, 3}, {2, 64, 3}};
+  c.host_lengths = false;
+  check_decode_family(c);
+  c.mode = ForwardMode::kDraftExtend;
+  c.requests = {{0, 2200, 2}, {1, 9, 3}, {2, 70, 1}};
   check_decode_family(c);
 }
 
