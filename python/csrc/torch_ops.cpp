@@ -321,12 +321,13 @@ void rope_quantize(const at::Tensor& q_nope, const at::Tensor& q_pe, const OptTe
 // graph captures (the eager warm-up before a capture fills it). Least recently used entries go
 // first, so a workspace in steady use stays. An entry may outlive its buffer: a new buffer at
 // the same address with the same size and capacity has the same schedule.
+// split_keys > 0: a deterministic schedule for requests of up to max_kv_len keys.
 mla::DecodeSchedule cached_schedule(const ByteBuffer& ws, int max_batch, int max_q_len,
-                                    int num_heads) {
+                                    int num_heads, int max_kv_len, int split_keys) {
   struct Entry {
     void* data;
     int64_t bytes;
-    int max_batch, max_q_len, num_heads, device;
+    int max_batch, max_q_len, num_heads, max_kv_len, split_keys, device;
     mla::DecodeSchedule schedule;
   };
   static std::mutex mutex;
@@ -334,16 +335,21 @@ mla::DecodeSchedule cached_schedule(const ByteBuffer& ws, int max_batch, int max
   const std::lock_guard<std::mutex> lock(mutex);
   for (auto it = cache.begin(); it != cache.end(); ++it) {
     if (it->data == ws.data && it->bytes == ws.bytes && it->max_batch == max_batch &&
-        it->max_q_len == max_q_len && it->num_heads == num_heads &&
-        it->device == ws.device.index()) {
+        it->max_q_len == max_q_len && it->num_heads == num_heads && it->max_kv_len == max_kv_len &&
+        it->split_keys == split_keys && it->device == ws.device.index()) {
       std::rotate(it, it + 1, cache.end());  // most recently used last
       return cache.back().schedule;
     }
   }
   mla::DecodeSchedule schedule =
-      mla::make_decode_schedule(ws.data, size_t(ws.bytes), max_batch, max_q_len, num_heads);
+      split_keys > 0 ? mla::make_deterministic_decode_schedule(ws.data, size_t(ws.bytes), max_batch,
+                                                               max_q_len, num_heads, max_kv_len,
+                                                               split_keys)
+                     : mla::make_decode_schedule(ws.data, size_t(ws.bytes), max_batch, max_q_len,
+                                                 num_heads);
   if (cache.size() >= 64) cache.erase(cache.begin());
-  cache.push_back({ws.data, ws.bytes, max_batch, max_q_len, num_heads, ws.device.index(), schedule});
+  cache.push_back({ws.data, ws.bytes, max_batch, max_q_len, num_heads, max_kv_len, split_keys,
+                   ws.device.index(), schedule});
   return schedule;
 }
 
@@ -352,7 +358,8 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
                 const at::Tensor& kv_lens, const OptTensor& cu_q_lens, int64_t q_len,
                 int64_t max_q_len, double softmax_scale, double q_scale, double k_scale,
                 const at::Tensor& out, const OptTensor& lse, const OptTensor& workspace,
-                int64_t workspace_max_batch, int64_t workspace_max_q_len, bool deterministic) {
+                int64_t workspace_max_batch, int64_t workspace_max_q_len, bool deterministic,
+                int64_t workspace_max_kv_len, int64_t workspace_split_keys) {
   constexpr const char* op = "mla_decode";
   const bool has_q = q.has_value() && q->defined();
   const bool has_nope = q_nope.has_value() && q_nope->defined();
@@ -388,9 +395,14 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
   const ByteBuffer ws = bind.bytes(workspace, {"workspace", "[bytes]", {-1}, {ScalarType::Byte},
                                                Layout::kContiguous, true});
   args.deterministic = deterministic;
-  if (deterministic && ws.given)
-    fail(op, "deterministic=True runs every request unsplit, so it takes no split-KV workspace "
-         "(a schedule's cuts depend on the whole batch); pass workspace=None");
+  const int split_keys = to_int(op, "workspace_split_keys", workspace_split_keys);
+  if (deterministic && ws.given && split_keys == 0)
+    fail(op, "deterministic=True takes no balanced split-KV workspace (its cuts depend on the "
+         "whole batch): pass workspace=None (every request unsplit) or a deterministic workspace "
+         "(DecodeWorkspace(..., split_keys=N))");
+  if (!deterministic && ws.given && split_keys > 0)
+    fail(op, "a deterministic workspace (split_keys ", split_keys, ") plans for "
+         "deterministic=True; pass deterministic=True or a workspace without split_keys");
   run(bind, [&](mla::Stream s) {
     // With a workspace on the GPU: plan the split-KV schedule for exactly this batch, then
     // decode with it (both on the stream, no host sync). The CPU ignores the workspace.
@@ -399,7 +411,8 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
       const mla::TensorView& ref = args.q.empty() ? args.q_nope : args.q;
       schedule = cached_schedule(ws, to_int(op, "workspace_max_batch", workspace_max_batch),
                                  to_int(op, "workspace_max_q_len", workspace_max_q_len),
-                                 int(ref.shape[1]));
+                                 int(ref.shape[1]),
+                                 to_int(op, "workspace_max_kv_len", workspace_max_kv_len), split_keys);
       if (args.kv_lens.shape[0] > 0)
         mla::plan_decode(schedule, args.kv_lens, args.cu_q_lens, std::max(args.q_len, 1),
                          args.cu_q_lens.empty() ? std::max(args.q_len, 1) : args.max_q_len, s);
@@ -410,10 +423,17 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
 }
 
 // Bytes of the GPU split-KV workspace for batches of up to max_batch requests of max_q_len
-// queries with num_heads heads (on the current CUDA device).
-int64_t decode_workspace_bytes(int64_t max_batch, int64_t max_q_len, int64_t num_heads) {
+// queries with num_heads heads (on the current CUDA device); split_keys > 0: a deterministic
+// workspace for requests of up to max_kv_len keys.
+int64_t decode_workspace_bytes(int64_t max_batch, int64_t max_q_len, int64_t num_heads,
+                               int64_t max_kv_len, int64_t split_keys) {
   constexpr const char* op = "decode_workspace_bytes";
   try {
+    if (split_keys != 0)
+      return int64_t(mla::decode_workspace_bytes_deterministic(
+          to_int(op, "max_batch", max_batch), to_int(op, "max_q_len", max_q_len),
+          to_int(op, "num_heads", num_heads), to_int(op, "max_kv_len", max_kv_len),
+          to_int(op, "split_keys", split_keys)));
     return int64_t(mla::decode_workspace_bytes(to_int(op, "max_batch", max_batch),
                                                to_int(op, "max_q_len", max_q_len),
                                                to_int(op, "num_heads", num_heads)));
@@ -485,8 +505,10 @@ TORCH_LIBRARY(mla, m) {
         "Tensor block_table, Tensor kv_lens, Tensor? cu_q_lens, int q_len, int max_q_len, "
         "float softmax_scale, float q_scale, float k_scale, Tensor(a!) out, "
         "Tensor(b!)? lse, Tensor(c!)? workspace=None, int workspace_max_batch=0, "
-        "int workspace_max_q_len=0, bool deterministic=False) -> ()");
-  m.def("decode_workspace_bytes(int max_batch, int max_q_len, int num_heads) -> int",
+        "int workspace_max_q_len=0, bool deterministic=False, int workspace_max_kv_len=0, "
+        "int workspace_split_keys=0) -> ()");
+  m.def("decode_workspace_bytes(int max_batch, int max_q_len, int num_heads, int max_kv_len=0, "
+        "int split_keys=0) -> int",
         &mla_torch::decode_workspace_bytes);
   m.def("mha_prefill(Tensor q, Tensor k, Tensor v, Tensor cu_q_lens, Tensor cu_kv_lens, "
         "int max_q_len, int max_kv_len, bool causal, float softmax_scale, float q_scale, "

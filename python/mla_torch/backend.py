@@ -286,10 +286,14 @@ class MlaBackend:
       use_split_kv: on CUDA, run mla_decode with the split-KV schedule (planned on the device
         before each decode in a workspace the backend owns, or decode_workspace when given).
       deterministic: a request's attention output is bit-identical whatever else is in its
-        batch and from run to run: mla_decode runs unsplit with deterministic=True (use_split_kv
-        is then off), and prefix chunks cut a request only at multiples of
-        chunked_prefix_capacity of its own positions (pieces packed whole, in order). From an
-        SGLang ModelRunner: server_args.enable_deterministic_inference.
+        batch and from run to run: mla_decode runs with deterministic=True, unsplit (use_split_kv
+        is then off) unless deterministic_split_keys is given, and prefix chunks cut a request
+        only at multiples of chunked_prefix_capacity of its own positions (pieces packed whole,
+        in order). From an SGLang ModelRunner: server_args.enable_deterministic_inference.
+      deterministic_split_keys: with deterministic on CUDA, > 0 (a multiple of 64) cuts every
+        request's keys at the multiples of this many keys and spreads the pieces over all SMs
+        (a deterministic split-KV workspace with room for every piece of the largest batch at
+        the full context: a larger value takes less memory); 0 runs unsplit.
     """
 
     def __init__(self, *, num_q_heads: int, page_size: int, req_to_token: Tensor,
@@ -299,7 +303,7 @@ class MlaBackend:
                  chunked_prefix_capacity: int = 65536, prefill_fp8: Optional[bool] = None,
                  skip_prefill: bool = False, step_offset: int = 0, use_split_kv: bool = True,
                  decode_workspace: Optional[ops.DecodeWorkspace] = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, deterministic_split_keys: int = 0):
         if kv_cache_dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
             raise ValueError(f"MlaBackend: kv_cache_dtype must be bfloat16, float16 or "
                              f"float8_e4m3fn, got {kv_cache_dtype}")
@@ -325,8 +329,13 @@ class MlaBackend:
         # The split-KV schedule's workspace (CUDA only; shared by the steps of a draft backend,
         # which decode one after another on one stream). None: the decode kernel runs unsplit.
         self.deterministic = bool(deterministic)
-        self.use_split_kv = use_split_kv and not self.deterministic and self.device.type == "cuda" and \
-            torch.ops.mla.build_info() != "cpu"
+        if deterministic_split_keys < 0 or deterministic_split_keys % 64:
+            raise ValueError(f"MlaBackend: deterministic_split_keys must be 0 (unsplit) or a "
+                             f"positive multiple of 64, got {deterministic_split_keys}")
+        # The deterministic mode's split (its workspace's), 0 outside it.
+        self.split_keys = int(deterministic_split_keys) if self.deterministic else 0
+        self.use_split_kv = use_split_kv and (not self.deterministic or self.split_keys > 0) and \
+            self.device.type == "cuda" and torch.ops.mla.build_info() != "cpu"
         self.decode_workspace = decode_workspace
         self.extend_workspace: Optional[ops.DecodeWorkspace] = None  # EXTEND's absorbed path
         self.kv_lora_rank = ops.KV_LORA_RANK
@@ -390,20 +399,25 @@ class MlaBackend:
     def _max_blocks(self, max_kv_len: int) -> int:
         return max(1, _cdiv(min(max_kv_len, self.max_context_len), self.page_size))
 
+    def new_workspace(self, max_batch: int, max_q_len: int) -> ops.DecodeWorkspace:
+        """A split-KV workspace for this backend's decodes: deterministic (for block tables as
+        wide as the context) when the backend is."""
+        max_kv_len = self._max_blocks(self.max_context_len) * self.page_size if self.split_keys else 0
+        return ops.DecodeWorkspace(max_batch, max_q_len, self.num_q_heads, self.device,
+                                   max_kv_len=max_kv_len, split_keys=self.split_keys)
+
     def _workspace(self, md: DecodeMetadata, kind: str) -> dict:
         if kind == _EXTEND:
             # EXTEND's long query counts get a workspace of their own (eager only), so that the
             # decode family's (shared by draft steps, sized for the graphs' batches) does not grow
             # to the largest batch times the longest extend.
             if self.extend_workspace is None:
-                self.extend_workspace = ops.DecodeWorkspace(md.batch_size, md.max_q_len,
-                                                            self.num_q_heads, self.device)
+                self.extend_workspace = self.new_workspace(md.batch_size, md.max_q_len)
             else:
                 self.extend_workspace.grow(md.batch_size, md.max_q_len)
             return self.extend_workspace.kwargs()
         if self.decode_workspace is None:
-            self.decode_workspace = ops.DecodeWorkspace(md.batch_size, md.max_q_len,
-                                                        self.num_q_heads, self.device)
+            self.decode_workspace = self.new_workspace(md.batch_size, md.max_q_len)
         elif not torch.cuda.is_current_stream_capturing():
             self.decode_workspace.grow(md.batch_size, md.max_q_len)
         return self.decode_workspace.kwargs()
@@ -565,8 +579,7 @@ class MlaBackend:
         if self.use_split_kv:  # big enough for every captured batch, so capture never allocates
             q_bound = max(1, self.num_draft_tokens, max_num_tokens // max(max_bs, 1))
             if self.decode_workspace is None:
-                self.decode_workspace = ops.DecodeWorkspace(max_bs, q_bound, self.num_q_heads,
-                                                            self.device)
+                self.decode_workspace = self.new_workspace(max_bs, q_bound)
             else:
                 self.decode_workspace.grow(max_bs, q_bound)
         self.decode_cuda_graph_metadata = {}
@@ -931,8 +944,7 @@ class MlaMultiStepDraftBackend:
     def _share_workspace(self) -> None:
         """The steps decode one after another on one stream: one split-KV workspace serves all."""
         if self.attn_backends and self.attn_backends[0].use_split_kv:
-            b0 = self.attn_backends[0]
-            ws = ops.DecodeWorkspace(1, 1, b0.num_q_heads, b0.device)
+            ws = self.attn_backends[0].new_workspace(1, 1)
             for backend in self.attn_backends:
                 backend.decode_workspace = ws
 

@@ -83,7 +83,8 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
                out: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
                lse: Optional[Tensor] = None, return_lse: bool = False,
                workspace: Optional[Tensor] = None, workspace_max_batch: int = 0,
-               workspace_max_q_len: int = 0, deterministic: bool = False):
+               workspace_max_q_len: int = 0, deterministic: bool = False,
+               workspace_max_kv_len: int = 0, workspace_split_keys: int = 0):
     """Absorbed attention over the paged latent cache (causal for q_len > 1). Queries as q
     [T, H, 576] or q_nope [T, H, 512] + q_pe [T, H, 64]. Returns out [T, H, 512], or (out, lse)
     when return_lse or lse is given.
@@ -94,7 +95,9 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
     The CPU ignores the workspace.
 
     deterministic: a request's rows are bit-identical whatever else is in the batch and from run
-    to run (unsplit 64-row tiles, the kernel chosen without the batch size); takes no workspace."""
+    to run (64-row tiles, the kernel chosen without the batch size): unsplit without a workspace,
+    or with a deterministic workspace (workspace_split_keys > 0, DecodeWorkspace(...,
+    split_keys=N)) every request's keys cut at the multiples of N and spread over all SMs."""
     ref = q if q is not None else q_nope
     if ref is None:
         raise ValueError("mla_decode: give q or q_nope and q_pe")
@@ -107,7 +110,8 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
     torch.ops.mla.mla_decode(q, q_nope, q_pe, kv_cache, block_table, kv_lens, cu_q_lens,
                              int(q_len), int(max_q_len), float(softmax_scale), float(q_scale),
                              float(k_scale), out, lse, workspace, int(workspace_max_batch),
-                             int(workspace_max_q_len), bool(deterministic))
+                             int(workspace_max_q_len), bool(deterministic),
+                             int(workspace_max_kv_len), int(workspace_split_keys))
     return (out, lse) if lse is not None else out
 
 
@@ -121,10 +125,14 @@ def cumulative_lengths(lens: Tensor, cu: Optional[Tensor] = None) -> Tensor:
     return cu
 
 
-def decode_workspace_bytes(max_batch: int, max_q_len: int, num_heads: int) -> int:
+def decode_workspace_bytes(max_batch: int, max_q_len: int, num_heads: int,
+                           max_kv_len: int = 0, split_keys: int = 0) -> int:
     """Bytes of the split-KV workspace of mla_decode for the given capacity (CUDA builds, on the
-    current CUDA device)."""
-    return int(torch.ops.mla.decode_workspace_bytes(int(max_batch), int(max_q_len), int(num_heads)))
+    current CUDA device). split_keys > 0: a deterministic workspace (every request's keys cut at
+    the multiples of split_keys, a positive multiple of 64) for requests of up to max_kv_len
+    keys, with room for every piece's partial result."""
+    return int(torch.ops.mla.decode_workspace_bytes(int(max_batch), int(max_q_len), int(num_heads),
+                                                    int(max_kv_len), int(split_keys)))
 
 
 class DecodeWorkspace:
@@ -132,10 +140,13 @@ class DecodeWorkspace:
     capacity. grow() allocates a larger buffer for a larger batch (never while a CUDA graph is
     captured). The buffers it replaces stay allocated as long as the workspace lives: a CUDA
     graph captured earlier keeps planning into and reading from the buffer it was captured
-    with."""
+    with. split_keys > 0 makes it a deterministic workspace (for deterministic=True) for block
+    tables of up to max_kv_len keys."""
 
-    def __init__(self, max_batch: int, max_q_len: int, num_heads: int, device):
+    def __init__(self, max_batch: int, max_q_len: int, num_heads: int, device,
+                 max_kv_len: int = 0, split_keys: int = 0):
         self.num_heads = num_heads
+        self.max_kv_len, self.split_keys = int(max_kv_len), int(split_keys)
         self.device = torch.device(device)
         self.max_batch = self.max_q_len = 0
         self.buffer: Optional[Tensor] = None
@@ -150,7 +161,8 @@ class DecodeWorkspace:
         # Sized and allocated before anything changes: a capacity that is too large (or out of
         # memory) raises and leaves the workspace as it was.
         with torch.cuda.device(self.device):
-            nbytes = decode_workspace_bytes(new_batch, new_q_len, self.num_heads)
+            nbytes = decode_workspace_bytes(new_batch, new_q_len, self.num_heads,
+                                            self.max_kv_len, self.split_keys)
         buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         if self.buffer is not None:
             self._replaced.append(self.buffer)
@@ -158,7 +170,8 @@ class DecodeWorkspace:
 
     def kwargs(self) -> dict:
         return dict(workspace=self.buffer, workspace_max_batch=self.max_batch,
-                    workspace_max_q_len=self.max_q_len)
+                    workspace_max_q_len=self.max_q_len, workspace_max_kv_len=self.max_kv_len,
+                    workspace_split_keys=self.split_keys)
 
 
 def mha_prefill(q: Tensor, k: Tensor, v: Tensor, cu_q_lens: Tensor, cu_kv_lens: Tensor,

@@ -334,6 +334,23 @@ def test_deterministic_prefix_chunks_depend_only_on_each_request():
     assert not det.use_split_kv
 
 
+def test_deterministic_split_keys():
+    """deterministic_split_keys: a multiple of 64, kept only in the deterministic mode; on CUDA
+    the backend then decodes with a deterministic split-KV workspace as wide as its context."""
+    with pytest.raises(ValueError, match="deterministic_split_keys must be 0 .* multiple of 64"):
+        make_backend(deterministic=True, deterministic_split_keys=100)
+    b, _ = make_backend(deterministic=True, deterministic_split_keys=1024)
+    assert b.split_keys == 1024 and not b.use_split_kv  # on the CPU: no workspace
+    b, _ = make_backend(deterministic_split_keys=1024)
+    assert b.split_keys == 0, "no split keys outside the deterministic mode"
+    if torch.cuda.is_available() and torch.ops.mla.build_info() != "cpu":
+        det, _ = make_backend("cuda", deterministic=True, deterministic_split_keys=128)
+        assert det.use_split_kv
+        ws = det.new_workspace(3, 1)
+        assert ws.split_keys == 128 and ws.max_kv_len == det.max_context_len
+        assert ws.kwargs()["workspace_split_keys"] == 128
+
+
 def test_from_model_runner():
     backend, _ = make_backend()
     runner = SimpleNamespace(

@@ -228,10 +228,46 @@ def test_mla_decode_deterministic(device, gen):
         return_lse=True, deterministic=True)
     assert torch.equal(alone_out, out[t0:t0 + 1]) and torch.equal(alone_lse, lse[t0:t0 + 1])
     workspace = torch.zeros(4096, dtype=torch.uint8, device=device)
-    with pytest.raises(RuntimeError, match="deterministic.*no split-KV workspace"):
+    with pytest.raises(RuntimeError, match="deterministic.*no balanced split-KV workspace"):
         ops.mla_decode(paged.cache, paged.block_table, paged.kv_lens, 0.1, q=q, cu_q_lens=cu,
                        max_q_len=max(q_lens), deterministic=True, workspace=workspace,
                        workspace_max_batch=40, workspace_max_q_len=3)
+    with pytest.raises(RuntimeError, match="deterministic workspace.*deterministic=True"):
+        ops.mla_decode(paged.cache, paged.block_table, paged.kv_lens, 0.1, q=q, cu_q_lens=cu,
+                       max_q_len=max(q_lens), workspace=workspace, workspace_max_batch=40,
+                       workspace_max_q_len=3, workspace_max_kv_len=1024, workspace_split_keys=128)
+
+
+def test_mla_decode_deterministic_split(device, gen):
+    """deterministic=True with a deterministic workspace (every request's keys cut every 128
+    keys): the reference's values, and one request's rows (in 7 pieces) have the same bits alone
+    and in a batch of 40, each on a workspace of its own capacity."""
+    if device.type != "cuda":
+        pytest.skip("the split-KV workspace exists on CUDA only")
+    heads, page_size, split = 16, 16, 128
+    gen_lens = torch.Generator().manual_seed(6)
+    kv_lens = [int(x) for x in torch.randint(0, 600, (40,), generator=gen_lens)]
+    q_lens = [int(x) for x in torch.randint(0, 4, (40,), generator=gen_lens)]
+    kv_lens[5], q_lens[5] = 777, 1
+    paged = make_paged_cache(kv_lens, page_size, torch.bfloat16, device, gen)
+    q = torch.randn(sum(q_lens), heads, LATENT, generator=gen).to(torch.bfloat16).to(device)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
+    table_keys = paged.block_table.shape[1] * page_size
+    ws = ops.DecodeWorkspace(40, max(q_lens), heads, device, max_kv_len=table_keys, split_keys=split)
+    out, lse = ops.mla_decode(paged.cache, paged.block_table, paged.kv_lens, 0.1, q=q, cu_q_lens=cu,
+                              max_q_len=max(q_lens), return_lse=True, deterministic=True,
+                              **ws.kwargs())
+    out_ref, lse_ref = ref_mla_decode(q, paged, q_lens, 0.1)
+    assert_close(out, out_ref, *TOL[torch.bfloat16], "out")
+    assert_close(lse, lse_ref, *LSE_TOL, "lse")
+    t0 = sum(q_lens[:5])
+    alone_ws = ops.DecodeWorkspace(1, 1, heads, device, max_kv_len=table_keys, split_keys=split)
+    alone_out, alone_lse = ops.mla_decode(
+        paged.cache, paged.block_table[5:6], paged.kv_lens[5:6], 0.1, q=q[t0:t0 + 1], q_len=1,
+        return_lse=True, deterministic=True, **alone_ws.kwargs())
+    assert torch.equal(alone_out, out[t0:t0 + 1]) and torch.equal(alone_lse, lse[t0:t0 + 1])
+    with pytest.raises(RuntimeError, match="split_keys must be a positive multiple of 64"):
+        ops.decode_workspace_bytes(4, 1, heads, max_kv_len=1024, split_keys=100)
 
 
 def test_cumulative_lengths(device):
