@@ -1100,115 +1100,122 @@ TEST(GpuDecodeGraph, CaptureAndReplayWithNewLengths) {
   DeviceBuffer q(size_t(kMaxTokens) * kHeads * kDim * 2), cache(size_t(kPages) * kPageSize * kDim * 2),
       bt(size_t(kMaxBatch) * kMaxBlocks * 4), kv_lens(kMaxBatch * 4), cu((kMaxBatch + 1) * 4),
       out(size_t(kMaxTokens) * kHeads * kVDim * 2), lse(size_t(kMaxTokens) * kHeads * 4);
-  OwnedSchedule sched(kMaxBatch, kMaxQLen, kHeads);
+  // The balanced schedule, and the deterministic mode's (every request's keys cut every 256).
+  OwnedSchedule balanced(kMaxBatch, kMaxQLen, kHeads);
+  OwnedSchedule fixed_split(kMaxBatch, kMaxQLen, kHeads, kMaxBlocks * kPageSize, 256, 0);
 
-  for (bool variable : {false, true}) {
-    for (int bs : {1, 5, 16}) {
-      const int q_len = variable ? 0 : 2;
-      const int tokens = variable ? bs * kMaxQLen : bs * q_len;  // capacity rows of this graph
-      // Views over the capacity buffers for this batch size.
-      auto args_for = [&](int num_tokens) {
-        MlaDecodeArgs a;
-        const Device dev = Device::cuda(0);
-        a.q = TensorView::contiguous(q.ptr, DType::kBF16, {num_tokens, kHeads, kDim}, dev);
-        a.kv_cache = TensorView::contiguous(cache.ptr, DType::kBF16, {kPages, kPageSize, kDim}, dev);
-        a.block_table = TensorView::contiguous(bt.ptr, DType::kInt32, {bs, kMaxBlocks}, dev);
-        a.kv_lens = TensorView::contiguous(kv_lens.ptr, DType::kInt32, {bs}, dev);
-        if (variable) {
-          a.cu_q_lens = TensorView::contiguous(cu.ptr, DType::kInt32, {bs + 1}, dev);
-          a.max_q_len = kMaxQLen;
-        } else {
-          a.q_len = q_len;
-        }
-        a.softmax_scale = 0.0721687836f;
-        a.out = TensorView::contiguous(out.ptr, DType::kBF16, {num_tokens, kHeads, kVDim}, dev);
-        a.lse = TensorView::contiguous(lse.ptr, DType::kFP32, {num_tokens, kHeads}, dev);
-        a.schedule = &sched.schedule;
-        return a;
-      };
-      // The graph covers `tokens` query rows; each replay's query lengths add up to them.
-      MlaDecodeArgs cap = args_for(tokens);
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      MLA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      plan_decode(sched.schedule, cap.kv_lens, cap.cu_q_lens, cap.q_len, cap.max_q_len, stream);
-      mla_decode(cap, stream);
-      MLA_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
-      MLA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-
-      for (int round = 0; round < 3; ++round) {
-        SCOPED_TRACE("variable " + std::to_string(variable) + " bs " + std::to_string(bs) +
-                     " round " + std::to_string(round));
-        std::mt19937 rng(uint32_t(8000 + 100 * bs + 10 * round + variable));
-        // New batch: lengths from short to the full block table; query lengths summing to `tokens`.
-        DecodeCase c;
-        c.num_heads = kHeads;
-        c.page_size = kPageSize;
-        const int max_kv = round == 0 ? 40 : round == 1 ? 700 : kMaxBlocks * kPageSize;
-        for (int b = 0; b < bs; ++b) c.kv_lens.push_back(int(rng() % uint32_t(max_kv + 1)));
-        if (variable) {
-          // Random split of `tokens` rows into bs requests of at most kMaxQLen each.
-          c.q_lens.assign(size_t(bs), kMaxQLen);
-          for (int k = 0; k < bs; ++k) {
-            const int give = int(rng() % 3);
-            const int from = int(rng() % uint32_t(bs)), to = int(rng() % uint32_t(bs));
-            const int moved = std::min({give, c.q_lens[size_t(from)], kMaxQLen - c.q_lens[size_t(to)]});
-            c.q_lens[size_t(from)] -= moved;
-            c.q_lens[size_t(to)] += moved;
+  for (bool deterministic : {false, true}) {
+    const OwnedSchedule& sched = deterministic ? fixed_split : balanced;
+    for (bool variable : {false, true}) {
+      for (int bs : {1, 5, 16}) {
+        const int q_len = variable ? 0 : 2;
+        const int tokens = variable ? bs * kMaxQLen : bs * q_len;  // capacity rows of this graph
+        // Views over the capacity buffers for this batch size.
+        auto args_for = [&](int num_tokens) {
+          MlaDecodeArgs a;
+          const Device dev = Device::cuda(0);
+          a.q = TensorView::contiguous(q.ptr, DType::kBF16, {num_tokens, kHeads, kDim}, dev);
+          a.kv_cache = TensorView::contiguous(cache.ptr, DType::kBF16, {kPages, kPageSize, kDim}, dev);
+          a.block_table = TensorView::contiguous(bt.ptr, DType::kInt32, {bs, kMaxBlocks}, dev);
+          a.kv_lens = TensorView::contiguous(kv_lens.ptr, DType::kInt32, {bs}, dev);
+          if (variable) {
+            a.cu_q_lens = TensorView::contiguous(cu.ptr, DType::kInt32, {bs + 1}, dev);
+            a.max_q_len = kMaxQLen;
+          } else {
+            a.q_len = q_len;
           }
-          c.use_cu_q_lens = true;
-        } else {
-          c.q_lens.assign(size_t(bs), q_len);
+          a.softmax_scale = 0.0721687836f;
+          a.out = TensorView::contiguous(out.ptr, DType::kBF16, {num_tokens, kHeads, kVDim}, dev);
+          a.lse = TensorView::contiguous(lse.ptr, DType::kFP32, {num_tokens, kHeads}, dev);
+          a.schedule = &sched.schedule;
+          a.deterministic = deterministic;
+          return a;
+        };
+        // The graph covers `tokens` query rows; each replay's query lengths add up to them.
+        MlaDecodeArgs cap = args_for(tokens);
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        MLA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+        plan_decode(sched.schedule, cap.kv_lens, cap.cu_q_lens, cap.q_len, cap.max_q_len, stream);
+        mla_decode(cap, stream);
+        MLA_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+        MLA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+
+        for (int round = 0; round < 3; ++round) {
+          SCOPED_TRACE(std::string(deterministic ? "deterministic, " : "") + "variable " +
+                       std::to_string(variable) + " bs " + std::to_string(bs) + " round " +
+                       std::to_string(round));
+          std::mt19937 rng(uint32_t(8000 + 100 * bs + 10 * round + variable));
+          // New batch: lengths from short to the full block table; query lengths summing to `tokens`.
+          DecodeCase c;
+          c.num_heads = kHeads;
+          c.page_size = kPageSize;
+          const int max_kv = round == 0 ? 40 : round == 1 ? 700 : kMaxBlocks * kPageSize;
+          for (int b = 0; b < bs; ++b) c.kv_lens.push_back(int(rng() % uint32_t(max_kv + 1)));
+          if (variable) {
+            // Random split of `tokens` rows into bs requests of at most kMaxQLen each.
+            c.q_lens.assign(size_t(bs), kMaxQLen);
+            for (int k = 0; k < bs; ++k) {
+              const int give = int(rng() % 3);
+              const int from = int(rng() % uint32_t(bs)), to = int(rng() % uint32_t(bs));
+              const int moved = std::min({give, c.q_lens[size_t(from)], kMaxQLen - c.q_lens[size_t(to)]});
+              c.q_lens[size_t(from)] -= moved;
+              c.q_lens[size_t(to)] += moved;
+            }
+            c.use_cu_q_lens = true;
+          } else {
+            c.q_lens.assign(size_t(bs), q_len);
+          }
+          c.extra_pages = 0;
+          c.seed = uint64_t(8000 + 100 * bs + 10 * round + variable);
+          DecodeData d = make_data(c);
+          ASSERT_EQ(d.T, tokens);
+          ASSERT_LE(d.P, kPages);
+          ASSERT_LE(d.max_blocks, kMaxBlocks + 2);
+          // Write the batch into the capacity buffers (block table rows padded to kMaxBlocks).
+          HostTensor bt_cap(DType::kInt32, {kMaxBatch, kMaxBlocks});
+          for (int64_t i = 0; i < bt_cap.numel(); ++i) bt_cap.i32(i) = -1;
+          for (int b = 0; b < bs; ++b)
+            for (int64_t j = 0; j < std::min<int64_t>(d.max_blocks, kMaxBlocks); ++j)
+              bt_cap.i32(b * kMaxBlocks + j) = d.block_table.i32(b * d.max_blocks + j);
+          MLA_TEST_CUDA(cudaMemcpy(q.ptr, d.q_buf.data(), d.q_buf.bytes.size(), cudaMemcpyHostToDevice));
+          MLA_TEST_CUDA(cudaMemcpy(cache.ptr, d.cache.data(), d.cache.bytes.size(), cudaMemcpyHostToDevice));
+          MLA_TEST_CUDA(cudaMemcpy(bt.ptr, bt_cap.data(), bt_cap.bytes.size(), cudaMemcpyHostToDevice));
+          MLA_TEST_CUDA(cudaMemcpy(kv_lens.ptr, d.kv_lens.data(), d.kv_lens.bytes.size(), cudaMemcpyHostToDevice));
+          MLA_TEST_CUDA(cudaMemcpy(cu.ptr, d.cu_q_lens.data(), d.cu_q_lens.bytes.size(), cudaMemcpyHostToDevice));
+
+          // Replay.
+          MLA_TEST_CUDA(cudaMemsetAsync(out.ptr, 0xff, out.bytes, stream));
+          MLA_TEST_CUDA(cudaMemsetAsync(lse.ptr, 0xff, lse.bytes, stream));
+          MLA_TEST_CUDA(cudaGraphLaunch(exec, stream));
+          MLA_TEST_CUDA(cudaStreamSynchronize(stream));
+          HostTensor out_graph(DType::kBF16, {tokens, kHeads, kVDim}), lse_graph(DType::kFP32, {tokens, kHeads});
+          MLA_TEST_CUDA(cudaMemcpy(out_graph.data(), out.ptr, out_graph.bytes.size(), cudaMemcpyDeviceToHost));
+          MLA_TEST_CUDA(cudaMemcpy(lse_graph.data(), lse.ptr, lse_graph.bytes.size(), cudaMemcpyDeviceToHost));
+
+          // Eager run on the same buffers.
+          MLA_TEST_CUDA(cudaMemsetAsync(out.ptr, 0xff, out.bytes, stream));
+          MLA_TEST_CUDA(cudaMemsetAsync(lse.ptr, 0xff, lse.bytes, stream));
+          MlaDecodeArgs eager = args_for(tokens);
+          plan_decode(sched.schedule, eager.kv_lens, eager.cu_q_lens, eager.q_len, eager.max_q_len, stream);
+          mla_decode(eager, stream);
+          MLA_TEST_CUDA(cudaStreamSynchronize(stream));
+          HostTensor out_eager = out_graph, lse_eager = lse_graph;
+          MLA_TEST_CUDA(cudaMemcpy(out_eager.data(), out.ptr, out_eager.bytes.size(), cudaMemcpyDeviceToHost));
+          MLA_TEST_CUDA(cudaMemcpy(lse_eager.data(), lse.ptr, lse_eager.bytes.size(), cudaMemcpyDeviceToHost));
+          EXPECT_EQ(out_graph.bytes, out_eager.bytes) << "graph replay differs from the eager run";
+          EXPECT_EQ(lse_graph.bytes, lse_eager.bytes) << "graph replay differs from the eager run";
+
+          // And both match the reference.
+          const Reference ref = reference(d);
+          DecodeData dg = d;
+          dg.out_buf = out_graph;
+          dg.lse_buf = lse_graph;
+          expect_matches(dg, gather(dg, out_graph, lse_graph), ref);
         }
-        c.extra_pages = 0;
-        c.seed = uint64_t(8000 + 100 * bs + 10 * round + variable);
-        DecodeData d = make_data(c);
-        ASSERT_EQ(d.T, tokens);
-        ASSERT_LE(d.P, kPages);
-        ASSERT_LE(d.max_blocks, kMaxBlocks + 2);
-        // Write the batch into the capacity buffers (block table rows padded to kMaxBlocks).
-        HostTensor bt_cap(DType::kInt32, {kMaxBatch, kMaxBlocks});
-        for (int64_t i = 0; i < bt_cap.numel(); ++i) bt_cap.i32(i) = -1;
-        for (int b = 0; b < bs; ++b)
-          for (int64_t j = 0; j < std::min<int64_t>(d.max_blocks, kMaxBlocks); ++j)
-            bt_cap.i32(b * kMaxBlocks + j) = d.block_table.i32(b * d.max_blocks + j);
-        MLA_TEST_CUDA(cudaMemcpy(q.ptr, d.q_buf.data(), d.q_buf.bytes.size(), cudaMemcpyHostToDevice));
-        MLA_TEST_CUDA(cudaMemcpy(cache.ptr, d.cache.data(), d.cache.bytes.size(), cudaMemcpyHostToDevice));
-        MLA_TEST_CUDA(cudaMemcpy(bt.ptr, bt_cap.data(), bt_cap.bytes.size(), cudaMemcpyHostToDevice));
-        MLA_TEST_CUDA(cudaMemcpy(kv_lens.ptr, d.kv_lens.data(), d.kv_lens.bytes.size(), cudaMemcpyHostToDevice));
-        MLA_TEST_CUDA(cudaMemcpy(cu.ptr, d.cu_q_lens.data(), d.cu_q_lens.bytes.size(), cudaMemcpyHostToDevice));
-
-        // Replay.
-        MLA_TEST_CUDA(cudaMemsetAsync(out.ptr, 0xff, out.bytes, stream));
-        MLA_TEST_CUDA(cudaMemsetAsync(lse.ptr, 0xff, lse.bytes, stream));
-        MLA_TEST_CUDA(cudaGraphLaunch(exec, stream));
-        MLA_TEST_CUDA(cudaStreamSynchronize(stream));
-        HostTensor out_graph(DType::kBF16, {tokens, kHeads, kVDim}), lse_graph(DType::kFP32, {tokens, kHeads});
-        MLA_TEST_CUDA(cudaMemcpy(out_graph.data(), out.ptr, out_graph.bytes.size(), cudaMemcpyDeviceToHost));
-        MLA_TEST_CUDA(cudaMemcpy(lse_graph.data(), lse.ptr, lse_graph.bytes.size(), cudaMemcpyDeviceToHost));
-
-        // Eager run on the same buffers.
-        MLA_TEST_CUDA(cudaMemsetAsync(out.ptr, 0xff, out.bytes, stream));
-        MLA_TEST_CUDA(cudaMemsetAsync(lse.ptr, 0xff, lse.bytes, stream));
-        MlaDecodeArgs eager = args_for(tokens);
-        plan_decode(sched.schedule, eager.kv_lens, eager.cu_q_lens, eager.q_len, eager.max_q_len, stream);
-        mla_decode(eager, stream);
-        MLA_TEST_CUDA(cudaStreamSynchronize(stream));
-        HostTensor out_eager = out_graph, lse_eager = lse_graph;
-        MLA_TEST_CUDA(cudaMemcpy(out_eager.data(), out.ptr, out_eager.bytes.size(), cudaMemcpyDeviceToHost));
-        MLA_TEST_CUDA(cudaMemcpy(lse_eager.data(), lse.ptr, lse_eager.bytes.size(), cudaMemcpyDeviceToHost));
-        EXPECT_EQ(out_graph.bytes, out_eager.bytes) << "graph replay differs from the eager run";
-        EXPECT_EQ(lse_graph.bytes, lse_eager.bytes) << "graph replay differs from the eager run";
-
-        // And both match the reference.
-        const Reference ref = reference(d);
-        DecodeData dg = d;
-        dg.out_buf = out_graph;
-        dg.lse_buf = lse_graph;
-        expect_matches(dg, gather(dg, out_graph, lse_graph), ref);
+        MLA_TEST_CUDA(cudaGraphExecDestroy(exec));
+        MLA_TEST_CUDA(cudaGraphDestroy(graph));
       }
-      MLA_TEST_CUDA(cudaGraphExecDestroy(exec));
-      MLA_TEST_CUDA(cudaGraphDestroy(graph));
     }
   }
   MLA_TEST_CUDA(cudaStreamDestroy(stream));
