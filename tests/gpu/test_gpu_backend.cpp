@@ -667,51 +667,32 @@ TEST(GpuBackend, LongRequestIsSplitAndMatchesCpuBackend) {
   check_decode_family(c);
 }
 
-// BackendConfig::deterministic: no schedule is planned, and every mode matches the CPU backend
-// (the bits of a request across batches are mla_decode's, tested in test_gpu_decode.cpp).
-TEST(GpuBackend, DeterministicDecodeFamilyRunsUnsplitAndMatchesCpuBackend) {
+// BackendConfig::deterministic: without deterministic_split_keys no schedule is planned; with
+// it (1024) a deterministic schedule splits the long requests at the multiples of 1024 keys. In
+// both, every mode matches the CPU backend (a request's bits across batches are mla_decode's,
+// tested in test_gpu_decode.cpp).
+TEST(GpuBackend, DeterministicDecodeFamilyMatchesCpuBackend) {
   MLA_REQUIRE_GPU();
-  DecodeFamilyCase c;
-  c.page_size = 64;
-  c.heads = 16;
-  c.deterministic = true;
-  c.max_context_len = 8192;
-  c.requests = {{0, 8000, 1}, {1, 5, 1}, {2, 700, 1}, {3, 0, 1}};
-  c.seed = 31;
-  check_decode_family(c);
-  c.heads = 128;
-  c.mode = ForwardMode::kTargetVerify;
-  c.requests = {{0, 3000, 3}, {1, 0, 3}, {2, 64, 3}};
-  c.host_lengths = false;
-  check_decode_family(c);
-  c.mode = ForwardMode::kDraftExtend;
-  c.requests = {{0, 200, 2}, {1, 9, 3}, {2, 70, 1}};
-  check_decode_family(c);
-}
-
-// BackendConfig::deterministic with deterministic_split_keys: a deterministic schedule is
-// planned (the long request split at the multiples of 1024 keys) and every mode matches the CPU
-// backend (a request's bits across batches are mla_decode's, tested in test_gpu_decode.cpp).
-TEST(GpuBackend, DeterministicSplitDecodeFamilyMatchesCpuBackend) {
-  MLA_REQUIRE_GPU();
-  DecodeFamilyCase c;
-  c.page_size = 64;
-  c.heads = 16;
-  c.deterministic = true;
-  c.split_keys = 1024;
-  c.expect_split = true;
-  c.max_context_len = 8192;
-  c.requests = {{0, 8000, 1}, {1, 5, 1}, {2, 700, 1}, {3, 0, 1}};
-  c.seed = 33;
-  check_decode_family(c);
-  c.heads = 128;
-  c.mode = ForwardMode::kTargetVerify;
-  c.requests = {{0, 3000, 3}, {1, 0, 3}, {2, 64, 3}};
-  c.host_lengths = false;
-  check_decode_family(c);
-  c.mode = ForwardMode::kDraftExtend;
-  c.requests = {{0, 2200, 2}, {1, 9, 3}, {2, 70, 1}};
-  check_decode_family(c);
+  for (int split_keys : {0, 1024}) {
+    DecodeFamilyCase c;
+    c.page_size = 64;
+    c.heads = 16;
+    c.deterministic = true;
+    c.split_keys = split_keys;
+    c.expect_split = split_keys > 0;
+    c.max_context_len = 8192;
+    c.requests = {{0, 8000, 1}, {1, 5, 1}, {2, 700, 1}, {3, 0, 1}};
+    c.seed = 31;
+    check_decode_family(c);
+    c.heads = 128;
+    c.mode = ForwardMode::kTargetVerify;
+    c.requests = {{0, 3000, 3}, {1, 0, 3}, {2, 64, 3}};
+    c.host_lengths = false;
+    check_decode_family(c);
+    c.mode = ForwardMode::kDraftExtend;
+    c.requests = {{0, 2200, 2}, {1, 9, 3}, {2, 70, 1}};
+    check_decode_family(c);
+  }
 }
 
 // The backend's rope path (rope_quantize into the workspace, then save and attend), with the

@@ -727,6 +727,40 @@ DecodeData sub_batch(const DecodeData& d, const std::vector<int>& which) {
   return s;
 }
 
+// The deterministic mode's promise for request 5 of a case: the whole batch matches the float64
+// reference and repeats its bits run to run, and request 5's rows have the same bits in each
+// sub-batch `batches` (request indices of the case), run on a schedule of each of `parts` CTAs
+// (a deterministic schedule's; ignored without one), each sub-batch also matching the reference.
+void expect_request_bits_independent_of_batch(const DecodeCase& c,
+                                              const std::vector<std::vector<int>>& batches,
+                                              const std::vector<int>& parts = {0}) {
+  SCOPED_TRACE(describe(c));
+  const DecodeData d = make_data(c);
+  const DecodeResult whole = run_gpu(d);
+  expect_matches(d, whole, reference(d));
+  const DecodeResult again = run_gpu(d);
+  EXPECT_EQ(0, std::memcmp(whole.out.data(), again.out.data(), whole.out.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(whole.lse.data(), again.lse.data(), whole.lse.size() * sizeof(float)));
+
+  const size_t heads = size_t(c.num_heads), out_row = heads * kVDim;
+  const float* target_out = whole.out.data() + size_t(d.q_start[5]) * out_row;
+  const float* target_lse = whole.lse.data() + size_t(d.q_start[5]) * heads;
+  for (const std::vector<int>& which : batches) {
+    for (int num_parts : parts) {
+      DecodeData part = sub_batch(d, which);
+      part.c.num_parts = num_parts;
+      const DecodeResult r = run_gpu(part);
+      const size_t at = size_t(std::find(which.begin(), which.end(), 5) - which.begin());
+      const size_t t0 = size_t(part.q_start[at]);
+      SCOPED_TRACE("a batch of " + std::to_string(which.size()) + ", the request at " +
+                   std::to_string(at) + ", parts " + std::to_string(num_parts));
+      EXPECT_EQ(0, std::memcmp(r.out.data() + t0 * out_row, target_out, out_row * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(r.lse.data() + t0 * heads, target_lse, heads * sizeof(float)));
+      expect_matches(part, r, reference(part));
+    }
+  }
+}
+
 // Deterministic mode: one request's rows are bit-identical alone, first or last in a small batch,
 // and inside a batch of 40 (past kAuto's batch rule of 32 for 16 rows, with a larger max_q_len
 // that would pick wider tiles), and from run to run; the batch is also checked against the
@@ -751,27 +785,7 @@ TEST(GpuDecodeDeterministic, RequestBitsDoNotDependOnTheBatch) {
         c.q_lens.push_back(b == 5 ? 1 : 1 + int(rng() % 4));
       }
       c.kv_lens[7] = 0;
-      SCOPED_TRACE(describe(c));
-      const DecodeData d = make_data(c);
-      const DecodeResult whole = run_gpu(d);
-      expect_matches(d, whole, reference(d));
-      const DecodeResult again = run_gpu(d);
-      EXPECT_EQ(0, std::memcmp(whole.out.data(), again.out.data(), whole.out.size() * sizeof(float)));
-      EXPECT_EQ(0, std::memcmp(whole.lse.data(), again.lse.data(), whole.lse.size() * sizeof(float)));
-
-      const size_t out_row = size_t(heads) * kVDim;
-      const float* target_out = whole.out.data() + size_t(d.q_start[5]) * out_row;
-      const float* target_lse = whole.lse.data() + size_t(d.q_start[5]) * size_t(heads);
-      const std::vector<std::vector<int>> batches = {{5}, {5, 0, 1}, {0, 7, 2, 5}};
-      for (const std::vector<int>& which : batches) {
-        const DecodeData part = sub_batch(d, which);
-        const DecodeResult r = run_gpu(part);
-        const size_t at = size_t(std::find(which.begin(), which.end(), 5) - which.begin());
-        const size_t t0 = size_t(part.q_start[at]);
-        SCOPED_TRACE("a batch of " + std::to_string(which.size()) + ", the request at " + std::to_string(at));
-        EXPECT_EQ(0, std::memcmp(r.out.data() + t0 * out_row, target_out, out_row * sizeof(float)));
-        EXPECT_EQ(0, std::memcmp(r.lse.data() + t0 * size_t(heads), target_lse, size_t(heads) * sizeof(float)));
-      }
+      expect_request_bits_independent_of_batch(c, {{5}, {5, 0, 1}, {0, 7, 2, 5}});
     }
   }
   // Fixed query counts (no cu_q_lens): 16 rows a request in a 64-row tile, every page size.
@@ -814,32 +828,7 @@ TEST(GpuDecodeDeterministic, SplitRequestBitsDoNotDependOnTheBatch) {
         c.kv_lens[7] = 0;
         c.kv_lens[9] = 2 * split_keys;
         c.q_lens[9] = 2;
-        SCOPED_TRACE(describe(c));
-        const DecodeData d = make_data(c);
-        const DecodeResult whole = run_gpu(d);
-        expect_matches(d, whole, reference(d));
-        const DecodeResult again = run_gpu(d);
-        EXPECT_EQ(0, std::memcmp(whole.out.data(), again.out.data(), whole.out.size() * sizeof(float)));
-        EXPECT_EQ(0, std::memcmp(whole.lse.data(), again.lse.data(), whole.lse.size() * sizeof(float)));
-
-        const size_t out_row = size_t(heads) * kVDim;
-        const float* target_out = whole.out.data() + size_t(d.q_start[5]) * out_row;
-        const float* target_lse = whole.lse.data() + size_t(d.q_start[5]) * size_t(heads);
-        const std::vector<std::vector<int>> batches = {{5}, {5, 0, 1}, {0, 7, 2, 9, 5}};
-        for (const std::vector<int>& which : batches) {
-          for (int num_parts : {0, 7}) {
-            DecodeData part = sub_batch(d, which);
-            part.c.num_parts = num_parts;
-            const DecodeResult r = run_gpu(part);
-            const size_t at = size_t(std::find(which.begin(), which.end(), 5) - which.begin());
-            const size_t t0 = size_t(part.q_start[at]);
-            SCOPED_TRACE("a batch of " + std::to_string(which.size()) + ", the request at " +
-                         std::to_string(at) + ", parts " + std::to_string(num_parts));
-            EXPECT_EQ(0, std::memcmp(r.out.data() + t0 * out_row, target_out, out_row * sizeof(float)));
-            EXPECT_EQ(0, std::memcmp(r.lse.data() + t0 * size_t(heads), target_lse, size_t(heads) * sizeof(float)));
-            expect_matches(part, r, reference(part));
-          }
-        }
+        expect_request_bits_independent_of_batch(c, {{5}, {5, 0, 1}, {0, 7, 2, 9, 5}}, {0, 7});
       }
     }
   }

@@ -784,14 +784,20 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_fixed_kernel(const __gri
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-// The checks every schedule's capacity shares; returns num_parts (0: the SM count).
-int check_capacity(const char* op, int max_batch, int max_q_len, int num_heads, int num_parts) {
+// The batch shape every schedule's capacity starts from, checked (num_parts 0: the SM count).
+DecodeSchedule batch_capacity(const char* op, int max_batch, int max_q_len, int num_heads,
+                              int num_parts) {
   MLA_CHECK(max_batch >= 1, op, ": max_batch must be >= 1, got ", max_batch);
   MLA_CHECK(max_q_len >= 1, op, ": max_q_len must be >= 1, got ", max_q_len);
   MLA_CHECK(num_heads >= 1 && num_heads <= kMaxHeads, op, ": num_heads must be in [1, ", kMaxHeads,
             "], got ", num_heads);
   MLA_CHECK(num_parts >= 0, op, ": num_parts must be >= 0 (0 = the SM count), got ", num_parts);
-  return num_parts == 0 ? current_device_info().sm_count : num_parts;
+  DecodeSchedule s;
+  s.max_batch = max_batch;
+  s.max_q_len = max_q_len;
+  s.num_heads = num_heads;
+  s.num_parts = num_parts == 0 ? current_device_info().sm_count : num_parts;
+  return s;
 }
 
 // The array offsets of a schedule whose capacity (max_items, max_split_units, max_slots,
@@ -817,17 +823,13 @@ DecodeSchedule lay_out(DecodeSchedule s) {
 // The balanced plan's capacity and array offsets.
 DecodeSchedule layout_schedule(const char* op, int max_batch, int max_q_len, int num_heads,
                                int num_parts) {
-  num_parts = check_capacity(op, max_batch, max_q_len, num_heads, num_parts);
+  DecodeSchedule s = batch_capacity(op, max_batch, max_q_len, num_heads, num_parts);
+  num_parts = s.num_parts;
   const int64_t tiles_per_request = (int64_t(max_q_len) * num_heads + 15) / 16;
   const int64_t max_units = int64_t(max_batch) * tiles_per_request;
   MLA_CHECK(max_units + num_parts <= INT_MAX / 64, op, ": capacity too large: max_batch ", max_batch,
             " x max_q_len ", max_q_len, " x num_heads ", num_heads, " gives ", max_units,
             " row tiles");
-  DecodeSchedule s;
-  s.max_batch = max_batch;
-  s.max_q_len = max_q_len;
-  s.num_heads = num_heads;
-  s.num_parts = num_parts;
   s.max_items = int(max_units) + num_parts;
   s.max_split_units = num_parts;
   s.max_slots = 2 * num_parts;
@@ -840,7 +842,8 @@ DecodeSchedule layout_schedule(const char* op, int max_batch, int max_q_len, int
 // lanes before it has read the plan (cta_work).
 DecodeSchedule layout_fixed_schedule(const char* op, int max_batch, int max_q_len, int num_heads,
                                      int max_kv_len, int split_keys, int num_parts) {
-  num_parts = check_capacity(op, max_batch, max_q_len, num_heads, num_parts);
+  DecodeSchedule s = batch_capacity(op, max_batch, max_q_len, num_heads, num_parts);
+  num_parts = s.num_parts;
   MLA_CHECK(split_keys >= kBlockN && split_keys % kBlockN == 0, op,
             ": split_keys must be a positive multiple of ", kBlockN, " (the key tile), got ",
             split_keys);
@@ -852,11 +855,6 @@ DecodeSchedule layout_fixed_schedule(const char* op, int max_batch, int max_q_le
             max_batch, " x ", max_units / max_batch, " row tiles x ", pieces,
             " pieces (max_kv_len ", max_kv_len, " / split_keys ", split_keys, ") gives ",
             max_pieces, " pieces");
-  DecodeSchedule s;
-  s.max_batch = max_batch;
-  s.max_q_len = max_q_len;
-  s.num_heads = num_heads;
-  s.num_parts = num_parts;
   s.split_keys = split_keys;
   s.max_kv_len = max_kv_len;
   s.max_items = int(std::max<int64_t>(max_pieces, num_parts));
