@@ -150,11 +150,13 @@ struct MlaDecodeArgs {
   // the other requests of the batch, its place in it, the batch size and max_q_len, and on every
   // run, for given heads, dtypes, page size, query layout and device (kAuto's kernel also
   // depends on the query rows' alignment and the pool's size). On the GPU every request's rows are cut
-  // into tiles of 64 rows (also where fewer rows would fit a narrower tile), each tile's keys are
-  // attended by one thread block in order (no split-KV: `schedule` must be null), and kAuto picks
-  // the kernel from everything but the batch size. Slower where splitting pays (few requests
-  // with long contexts); as fast at large batches, where the plan keeps units whole anyway. The
-  // CPU path is deterministic in either mode.
+  // into tiles of 64 rows (also where fewer rows would fit a narrower tile), and kAuto picks the
+  // kernel from everything but the batch size. Without a schedule each tile's keys are attended
+  // by one thread block in order: slower where splitting pays (few requests with long contexts),
+  // as fast at large batches, where the plan keeps units whole anyway. With a schedule from
+  // make_deterministic_decode_schedule (mla/schedule.hpp; a balanced one is refused) every
+  // request's keys are cut at the multiples of its split_keys and spread over all SMs. The CPU
+  // path is deterministic in either mode.
   bool deterministic = false;
 };
 void mla_decode(const MlaDecodeArgs& args, Stream stream = nullptr);

@@ -77,6 +77,26 @@ inline TensorView strided_host_view(HostTensor& h, std::initializer_list<int64_t
   return strided_view_of(h.data(), h.dtype, h.numel(), shape, stride, offset, Device::cpu());
 }
 
+// Raw device memory of n bytes, freed on destruction; filled from and read into host tensors.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) {
+    if (cudaMalloc(&ptr, n ? n : 16) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { cudaFree(ptr); }
+  void upload(const HostTensor& h) {
+    if (!h.bytes.empty() && cudaMemcpy(ptr, h.bytes.data(), h.bytes.size(), cudaMemcpyHostToDevice) != cudaSuccess)
+      throw std::runtime_error("cudaMemcpy H2D failed");
+  }
+  void download(HostTensor& h) const {
+    if (!h.bytes.empty() && cudaMemcpy(h.bytes.data(), ptr, h.bytes.size(), cudaMemcpyDeviceToHost) != cudaSuccess)
+      throw std::runtime_error("cudaMemcpy D2H failed");
+  }
+};
+
 // A device copy of a HostTensor (same dtype/shape), freed on destruction.
 struct DeviceTensor {
   HostTensor* host = nullptr;

@@ -54,26 +54,6 @@ Tolerance out_tolerance(DType q_dtype, DType kv_dtype) {
 }
 constexpr Tolerance kLseTolerance{5e-3, 1e-3};
 
-// Device memory freed on destruction.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit DeviceBuffer(size_t n) : bytes(n) {
-    if (cudaMalloc(&ptr, n ? n : 16) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { cudaFree(ptr); }
-  void upload(const HostTensor& h) {
-    if (!h.bytes.empty() && cudaMemcpy(ptr, h.bytes.data(), h.bytes.size(), cudaMemcpyHostToDevice) != cudaSuccess)
-      throw std::runtime_error("cudaMemcpy H2D failed");
-  }
-  void download(HostTensor& h) const {
-    if (!h.bytes.empty() && cudaMemcpy(h.bytes.data(), ptr, h.bytes.size(), cudaMemcpyDeviceToHost) != cudaSuccess)
-      throw std::runtime_error("cudaMemcpy D2H failed");
-  }
-};
-
 // Runs fn(i) for i in [0, n) on all host cores.
 template <typename Fn>
 void parallel_for(int64_t n, Fn&& fn) {
@@ -828,6 +808,11 @@ TEST(GpuDecodeDeterministic, SplitRequestBitsDoNotDependOnTheBatch) {
         c.kv_lens[7] = 0;
         c.kv_lens[9] = 2 * split_keys;
         c.q_lens[9] = 2;
+        // A request with more pieces than any of the sub-batches' (20000 keys): the whole batch's
+        // largest piece count (which picks the balanced combine's warps a row) differs from the
+        // sub-batches', and the deterministic combine must add the pieces in the same order.
+        c.kv_lens[11] = 20000;
+        c.q_lens[11] = 1;
         expect_request_bits_independent_of_batch(c, {{5}, {5, 0, 1}, {0, 7, 2, 9, 5}}, {0, 7});
       }
     }

@@ -248,9 +248,7 @@ void check_fixed_plan(const std::vector<int>& kv_lens, const std::vector<int>& q
                ", split_keys " + std::to_string(split_keys) + ", max_kv_len " + std::to_string(max_kv_len));
   const size_t bytes =
       decode_workspace_bytes_deterministic(batch, max_q, heads, max_kv_len, split_keys, num_parts);
-  HostTensor ws_host(DType::kInt32, {int64_t(bytes / 4)});
-  std::memset(ws_host.data(), 0xff, bytes);
-  DeviceTensor ws(ws_host);
+  DeviceBuffer ws(bytes);
   std::vector<int> cu(1, 0);
   for (int q : q_lens) cu.push_back(cu.back() + q);
   HostTensor lens_host = int32_tensor(kv_lens), cu_host = int32_tensor(cu);
@@ -259,9 +257,14 @@ void check_fixed_plan(const std::vector<int>& kv_lens, const std::vector<int>& q
                                                               max_kv_len, split_keys, num_parts);
   EXPECT_EQ(s.split_keys, split_keys);
   EXPECT_EQ(s.max_kv_len, max_kv_len);
+  // The plan's arrays (the workspace before the partial results, which are most of its bytes),
+  // poisoned: the plan must write every entry that is read back.
+  HostTensor ws_host(DType::kInt32, {int64_t(s.partial_lse_offset / 4)});
+  std::memset(ws_host.data(), 0xff, ws_host.bytes.size());
+  ws.upload(ws_host);
   plan_decode(s, lens.view(), cu_dev.view(), 0, max_q);
   MLA_TEST_CUDA(cudaDeviceSynchronize());
-  ws.download();
+  ws.download(ws_host);
 
   const int tiles_max = model_row_tiles(max_q, heads);
   const int lanes = tiles_max >= 2 && tiles_max <= s.num_parts ? tiles_max : 1;

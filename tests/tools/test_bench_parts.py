@@ -64,7 +64,9 @@ def main(bench, merge):
                              ("-64", "--split-keys expects an integer in [0, 2147483647], got '-64'")):
             r = run([bench, *common, "--split-keys", bad], expect_rc=2)
             assert message in r.stderr, f"--split-keys {bad}: {r.stderr!r}"
-        run([bench, *common, "--split-keys", "1024"])  # valid (deterministic rows: cuda only)
+        r = run([bench, *common, "--split-keys", "1024"], expect_rc=2)
+        assert "--split-keys times the deterministic rows: give --deterministic on" in r.stderr, r.stderr
+        run([bench, *common, "--split-keys", "1024", "--deterministic", "on"])  # valid (rows: cuda only)
 
         # Mixed lengths (--kv-min): the case runs and verifies, its row names the range; a range
         # that ends below its start is a usage error.

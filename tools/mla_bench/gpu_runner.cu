@@ -288,16 +288,15 @@ class GpuRunner final : public Runner {
     const double plan_graph_us = graph_median_us(warmup, iters, [&] {
       plan_decode(schedule, kv_lens_view, TensorView{}, c.q_len, c.q_len, stream_);
     });
-    // The deterministic schedule (--split-keys), for contexts as long as the block table holds.
-    const bool fixed_rows = rows_.deterministic && rows_.split_keys > 0;
-    const int table_keys = std::max(1, p.max_blocks * c.page_size);
-    const DeviceMemory fixed_workspace(
-        fixed_rows ? decode_workspace_bytes_deterministic(c.batch, c.q_len, c.heads, table_keys,
-                                                          rows_.split_keys)
-                   : 0);
+    // The deterministic schedule (--split-keys), for contexts as long as the block table holds:
+    // made, planned and timed inside its row's try (its workspace may not fit).
+    DeviceMemory fixed_workspace;
     DecodeSchedule fixed_schedule{};
     double fixed_plan_us = 0, fixed_plan_graph_us = 0;
-    if (fixed_rows) {
+    auto plan_fixed = [&] {
+      const int table_keys = std::max(1, p.max_blocks * c.page_size);
+      fixed_workspace = DeviceMemory(decode_workspace_bytes_deterministic(
+          c.batch, c.q_len, c.heads, table_keys, rows_.split_keys));
       fixed_schedule = make_deterministic_decode_schedule(
           fixed_workspace.get(), fixed_workspace.bytes(), c.batch, c.q_len, c.heads, table_keys,
           rows_.split_keys);
@@ -307,7 +306,7 @@ class GpuRunner final : public Runner {
       fixed_plan_graph_us = graph_median_us(warmup, iters, [&] {
         plan_decode(fixed_schedule, kv_lens_view, TensorView{}, c.q_len, c.q_len, stream_);
       });
-    }
+    };
     // Kernels (those --rows asks for): the portable one and the Hopper one (where it applies),
     // each with the schedule; then the one mla_decode picks without a schedule, and in the
     // deterministic mode. mla_decode_kernel_name throws for a kernel that does not apply to the
@@ -322,7 +321,8 @@ class GpuRunner final : public Runner {
     if (rows_.hopper) variants.push_back({&schedule, DecodeKernel::kHopper, false});
     if (rows_.unsplit) variants.push_back({nullptr, DecodeKernel::kAuto, false});
     if (rows_.deterministic) variants.push_back({nullptr, DecodeKernel::kAuto, true});
-    if (fixed_rows) variants.push_back({&fixed_schedule, DecodeKernel::kAuto, true});
+    if (rows_.deterministic && rows_.split_keys > 0)
+      variants.push_back({&fixed_schedule, DecodeKernel::kAuto, true});
     std::vector<std::string> seen;
     for (const Variant& v : variants) {
       const DeviceMemory out = nan_output(out_bytes);
@@ -333,7 +333,8 @@ class GpuRunner final : public Runner {
       buffers.kv_lens = kv_lens.get();
       buffers.out = out.get();
       MlaDecodeArgs args = decode_args(p, buffers, Device::cuda(device_));
-      args.schedule = v.schedule;
+      const bool fixed = v.schedule == &fixed_schedule;
+      args.schedule = fixed ? nullptr : v.schedule;  // (the kernel's name does not depend on it)
       args.kernel = v.kernel;
       args.deterministic = v.deterministic;
       Measurement m;
@@ -352,10 +353,14 @@ class GpuRunner final : public Runner {
       // A kernel that fails is reported on its own row; the case's other kernels still run
       // (after a sticky CUDA error they fail too, each with its own message).
       try {
+        if (fixed) {
+          plan_fixed();
+          args.schedule = &fixed_schedule;
+        }
         m.time_us = time_median_us(warmup, iters, [&] { mla_decode(args, stream_); });
         if (v.schedule) {
-          m.plan_us = v.schedule == &fixed_schedule ? fixed_plan_us : plan_us;
-          m.plan_graph_us = v.schedule == &fixed_schedule ? fixed_plan_graph_us : plan_graph_us;
+          m.plan_us = fixed ? fixed_plan_us : plan_us;
+          m.plan_graph_us = fixed ? fixed_plan_graph_us : plan_graph_us;
         }
         m.out = download(out, p.out_dtype, out_shape);
         // The graph replays write into the output poisoned again: verified on their own.

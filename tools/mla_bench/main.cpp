@@ -215,6 +215,9 @@ Options parse_options(int argc, char** argv) {
   if (o.single.kv_min > o.single.kv_len)
     usage_error("--kv-min " + std::to_string(o.single.kv_min) + " is past --kv-len " +
                 std::to_string(o.single.kv_len));
+  if (o.split_keys > 0 && !o.deterministic_rows && !(o.rows && o.rows->deterministic))
+    usage_error("--split-keys times the deterministic rows: give --deterministic on (or "
+                "deterministic in --rows)");
   return o;
 }
 

@@ -726,7 +726,8 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_fixed_kernel(const __gri
     long long position = sh.cost_before[owner];
     int slot = sh.slots_before[owner];
     const int owner_begin = min(batch, owner * launch.per_thread);
-    for (int b = owner_begin;; ++b) {
+    const int owner_end = min(batch, owner_begin + launch.per_thread);
+    for (int b = owner_begin; b < owner_end; ++b) {  // (ends at the item's request)
       const RequestGeometry g = b == owner_begin ? sh.geometry[owner] : request_geometry(pp.layout, b);
       const FixedRequest fr = fixed_request(launch, g);
       const long long unit_cost = fixed_split::unit_cost(g.kv_len, split_keys);
@@ -826,10 +827,12 @@ DecodeSchedule layout_schedule(const char* op, int max_batch, int max_q_len, int
   DecodeSchedule s = batch_capacity(op, max_batch, max_q_len, num_heads, num_parts);
   num_parts = s.num_parts;
   const int64_t tiles_per_request = (int64_t(max_q_len) * num_heads + 15) / 16;
-  const int64_t max_units = int64_t(max_batch) * tiles_per_request;
-  MLA_CHECK(max_units + num_parts <= INT_MAX / 64, op, ": capacity too large: max_batch ", max_batch,
-            " x max_q_len ", max_q_len, " x num_heads ", num_heads, " gives ", max_units,
+  // (the bound in floating point first: the product of the largest ints would not fit in 64 bits)
+  MLA_CHECK(double(max_batch) * double(tiles_per_request) + num_parts <= INT_MAX / 64, op,
+            ": capacity too large: max_batch ", max_batch, " x max_q_len ", max_q_len,
+            " x num_heads ", num_heads, " gives ", double(max_batch) * double(tiles_per_request),
             " row tiles");
+  const int64_t max_units = int64_t(max_batch) * tiles_per_request;
   s.max_items = int(max_units) + num_parts;
   s.max_split_units = num_parts;
   s.max_slots = 2 * num_parts;
@@ -849,12 +852,13 @@ DecodeSchedule layout_fixed_schedule(const char* op, int max_batch, int max_q_le
             split_keys);
   MLA_CHECK(max_kv_len >= 1, op, ": max_kv_len must be >= 1, got ", max_kv_len);
   const int64_t pieces = fixed_split::pieces(max_kv_len, split_keys);
-  const int64_t max_units = int64_t(max_batch) * row_tiles(max_q_len, num_heads, kMaxBlockM);
+  const int64_t tiles_per_request = (int64_t(max_q_len) * num_heads + kMaxBlockM - 1) / kMaxBlockM;
+  const double bound = double(max_batch) * double(tiles_per_request) * double(pieces);
+  MLA_CHECK(bound + num_parts <= INT_MAX / 64, op, ": capacity too large: max_batch ", max_batch,
+            " x ", tiles_per_request, " row tiles x ", pieces, " pieces (max_kv_len ", max_kv_len,
+            " / split_keys ", split_keys, ") gives ", bound, " pieces");
+  const int64_t max_units = int64_t(max_batch) * tiles_per_request;
   const int64_t max_pieces = max_units * pieces;
-  MLA_CHECK(max_pieces + num_parts <= INT_MAX / 64, op, ": capacity too large: max_batch ",
-            max_batch, " x ", max_units / max_batch, " row tiles x ", pieces,
-            " pieces (max_kv_len ", max_kv_len, " / split_keys ", split_keys, ") gives ",
-            max_pieces, " pieces");
   s.split_keys = split_keys;
   s.max_kv_len = max_kv_len;
   s.max_items = int(std::max<int64_t>(max_pieces, num_parts));
