@@ -47,6 +47,15 @@
 namespace mla::cuda::decode {
 namespace {
 
+// Build-time knob (CMake MLA_DECODE_KNOBS), off by default until a device call has measured it:
+// MLA_COMBINE_TWO_STEPS=1 keeps, for 16-bit pieces, a warp's next step of pieces in flight
+// while it adds the current one (the first two loaded with the LSEs), so that a warp of two
+// steps (batch 1: 64 pieces on a row's 8 warps) waits for one round trip after the row's LSE,
+// not two. fp32 pieces keep one step: two would need 136 registers of the 128.
+#ifndef MLA_COMBINE_TWO_STEPS
+#define MLA_COMBINE_TWO_STEPS 0
+#endif
+
 constexpr int kWarps = 8;
 constexpr int kThreadsPerCta = kWarps * 32;
 constexpr int kUnroll = 4;       // pieces per step of one warp
@@ -285,8 +294,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
           (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
       // The warp's first step of pieces, in flight together with the LSE loads below: their
       // addresses do not depend on the row's LSE, only their weights do.
-      PieceStep<Partial> st;
+      constexpr bool kTwoSteps = MLA_COMBINE_TWO_STEPS && sizeof(Partial) == 2;
+      PieceStep<Partial> st, st_next;
       load_step(base, lse_k, n, j, w, lane, st);
+      if constexpr (kTwoSteps) load_step(base, lse_k, n, j + kUnroll * w, w, lane, st_next);
       float lse_max = -INFINITY, lse_sum = 0.0f;
       for (int k0 = 0; k0 < n; k0 += 4 * 32) {  // up to 128 pieces a round trip
         float v[4];
@@ -323,7 +334,12 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
           if (k == j) MLA_COMBINE_STAMP(1);
           k += kUnroll * w;
           if (k >= n) break;
-          load_step(base, lse_k, n, k, w, lane, st);
+          if constexpr (kTwoSteps) {  // step k is in flight: ask for the one after it
+            st = st_next;
+            load_step(base, lse_k, n, k + kUnroll * w, w, lane, st_next);
+          } else {
+            load_step(base, lse_k, n, k, w, lane, st);
+          }
         }
         MLA_COMBINE_STAMP(2);
       }
