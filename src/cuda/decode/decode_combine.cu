@@ -55,6 +55,13 @@ namespace {
 #ifndef MLA_COMBINE_TWO_STEPS
 #define MLA_COMBINE_TWO_STEPS 0
 #endif
+// MLA_COMBINE_ORDERED=1: a row's pieces are added in groups of four consecutive pieces, the
+// groups' sums in key order, whatever the warps a row (w): the same bits for any w, so that a
+// deterministic plan's rows can take w warps like a balanced plan's (they take one otherwise,
+// and a batch-1 row of 64 pieces waits for 16 round trips). Every plan's combine then runs it.
+#ifndef MLA_COMBINE_ORDERED
+#define MLA_COMBINE_ORDERED 0
+#endif
 
 constexpr int kWarps = 8;
 constexpr int kThreadsPerCta = kWarps * 32;
@@ -134,6 +141,40 @@ __device__ __forceinline__ void add_step(const PieceStep<Partial>& st, float lse
       acc[i].w += wu * v.w;
     }
   }
+}
+
+// The row's LSE over its n pieces' LSEs (lse_k, a slot apart), the same in every lane: its max
+// and the sum of exp(lse_k - max) (-inf and 0 when every piece is empty). A lane's four a round
+// trip (up to 128 pieces), the round's max first, then four independent exps; then the warp's
+// max, and each lane's sum moved to it and the sums added.
+__device__ __forceinline__ void row_lse(const float* lse_k, int n, int lane, float& lse_max,
+                                        float& lse_sum) {
+  lse_max = -INFINITY;
+  lse_sum = 0.0f;
+  for (int k0 = 0; k0 < n; k0 += 4 * 32) {
+    float v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int k = k0 + lane + 32 * u;
+      v[u] = k < n ? lse_k[int64_t(k) * kMaxBlockM] : -INFINITY;
+    }
+    const float m_r = fmaxf(fmaxf(v[0], v[1]), fmaxf(v[2], v[3]));
+    float s_r = 0.0f;
+    if (m_r != -INFINITY) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) s_r += expf(v[u] - m_r);
+    }
+    merge_lse(lse_max, lse_sum, m_r, s_r);
+  }
+  float row_max = lse_max;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, off));
+  // (a lane with no piece has max -inf and sum 0: 0 * exp(-inf) = 0)
+  if (row_max != -INFINITY) lse_sum *= expf(lse_max - row_max);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) lse_sum += __shfl_xor_sync(0xffffffffu, lse_sum, off);
+  lse_max = row_max;
 }
 
 // The row a warp combines in one job: its split unit (the lane's row tile and slots), request
@@ -217,6 +258,9 @@ template <typename Partial>
 __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     mla_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ float4 partial[kWarps][32][4];  // per warp: its lanes' 16 columns
+#if MLA_COMBINE_ORDERED
+  __shared__ float4 running[32][4];  // a row of several rounds: its sum of the rounds before
+#endif
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   // A trace build (trace.cuh): thread 0 of the first CTA prints the decode kernel's records (then
   // empties them), its own entry time (ns), its wait's return and its end.
@@ -249,9 +293,13 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
   }
   const int block_m = header.block_m, lanes = header.lanes, num_slots = header.num_slots;
   const int rows = header.num_split_units * lanes * block_m;
+#if MLA_COMBINE_ORDERED
+  const int w = warps_per_row(header.max_pieces);  // the order of the additions does not follow it
+#else
   // A deterministic plan's rows take one warp whatever their pieces, so that a row's pieces are
   // always added in the same order (key order, four a step).
   const int w = header.split_keys > 0 ? 1 : warps_per_row(header.max_pieces);
+#endif
   const int rows_per_job = kWarps / w;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int j = warp % w;  // this warp's place among its row's warps
@@ -282,6 +330,81 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     const bool valid = jr.valid;
     const RequestGeometry& g = jr.g;
     const int r = jr.r, row_local = jr.row_local;
+#if MLA_COMBINE_ORDERED
+    // Groups of kUnroll consecutive pieces, each summed on its own (add_step on zeros), then the
+    // groups' sums added in key order: the same fp32 operations whatever w. Warp j sums groups
+    // j, j + w, ..., one a round; a round's w sums meet in shared memory, where warp j adds
+    // column groups j, j + w, ... to the row's running sum. Rows of more than one round have
+    // w = kWarps (warps_per_row), one row a job, so every warp of the CTA runs the same rounds.
+    const int n = valid ? jr.unit.num_pieces : 0;
+    const int groups = (n + kUnroll - 1) / kUnroll;
+    const int rounds = w == kWarps ? (groups + w - 1) / w : 1;
+    float lse = -INFINITY;
+    PieceStep<Partial> st;
+    const float* lse_k = nullptr;
+    const typename Quad<Partial>::Raw* base = nullptr;
+    if (valid) {
+      lse_k = p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local;
+      base = reinterpret_cast<const typename Quad<Partial>::Raw*>(
+          static_cast<const Partial*>(p.schedule.partial_out) +
+          (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
+      load_step(base, lse_k, n, kUnroll * j, 1, lane, st);  // in flight with the LSE loads
+      float lse_max, lse_sum;
+      row_lse(lse_k, n, lane, lse_max, lse_sum);
+      if (lse_max != -INFINITY) lse = lse_max + logf(lse_sum);
+      MLA_COMBINE_STAMP(0);
+    }
+    const int first = warp - j;
+#pragma unroll 1
+    for (int round = 0; round < rounds; ++round) {
+      float4 acc[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const int group = round * w + j;
+      if (lse != -INFINITY && group < groups) {
+        add_step(st, lse, acc);
+        if (group + w < groups) load_step(base, lse_k, n, kUnroll * (group + w), 1, lane, st);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
+      __syncthreads();
+      if (valid) {
+        const int in_round = min(w, groups - round * w);
+        const bool last = round == rounds - 1;
+        const int64_t token = g.q_start + r / num_heads;
+        const int head = r % num_heads;
+#pragma unroll 1
+        for (int i = j; i < 4; i += w) {
+          float4 sum = partial[first][lane][i];
+          if (round > 0) {  // the running sum first: key order
+            const float4 v = sum;
+            sum = running[lane][i];
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+          }
+#pragma unroll 1
+          for (int other = 1; other < in_round; ++other) {
+            const float4 v = partial[first + other][lane][i];
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+          }
+          if (last)
+            store_out4(p, out_row(p, token, head), 4 * (lane + 32 * i), sum);
+          else
+            running[lane][i] = sum;
+        }
+        if (last && p.lse != nullptr && j == 0 && lane == 0)
+          p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
+      }
+      __syncthreads();  // partial[] (and running[]) are free for the next round or job
+    }
+    jr = jr_next;
+  }
+#else
     float4 acc[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -298,33 +421,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       PieceStep<Partial> st, st_next;
       load_step(base, lse_k, n, j, w, lane, st);
       if constexpr (kTwoSteps) load_step(base, lse_k, n, j + kUnroll * w, w, lane, st_next);
-      float lse_max = -INFINITY, lse_sum = 0.0f;
-      for (int k0 = 0; k0 < n; k0 += 4 * 32) {  // up to 128 pieces a round trip
-        float v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int k = k0 + lane + 32 * u;
-          v[u] = k < n ? lse_k[int64_t(k) * kMaxBlockM] : -INFINITY;
-        }
-        // The round's max first, then its four exps independent of each other.
-        const float m_r = fmaxf(fmaxf(v[0], v[1]), fmaxf(v[2], v[3]));
-        float s_r = 0.0f;
-        if (m_r != -INFINITY) {
-#pragma unroll
-          for (int u = 0; u < 4; ++u) s_r += expf(v[u] - m_r);
-        }
-        merge_lse(lse_max, lse_sum, m_r, s_r);
-      }
-      // The warp's max, then each lane's sum moved to it and the sums added.
-      float row_max = lse_max;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
-        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, off));
-      // (a lane with no piece has max -inf and sum 0: 0 * exp(-inf) = 0)
-      if (row_max != -INFINITY) lse_sum *= expf(lse_max - row_max);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) lse_sum += __shfl_xor_sync(0xffffffffu, lse_sum, off);
-      lse_max = row_max;
+      float lse_max, lse_sum;
+      row_lse(lse_k, n, lane, lse_max, lse_sum);
       if (lse_max != -INFINITY) {
         lse = lse_max + logf(lse_sum);
         MLA_COMBINE_STAMP(0);
@@ -374,6 +472,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     __syncthreads();  // partial[] is free for the next job
     jr = jr_next;
   }
+#endif
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   __syncthreads();
   if (threadIdx.x == 0 && blockIdx.x == 0) {
