@@ -5,7 +5,8 @@
 #                at another path, e.g. built elsewhere and copied here)
 #   3. memcheck  compute-sanitizer --tool memcheck over the GPU test binary
 #      racecheck compute-sanitizer --tool racecheck, on a reduced set (slow)
-#   4. bench     mla-bench --device cuda --sweep decode (and prefill when supported), JSON out
+#   4. bench     mla-bench --device cuda --sweep decode (and prefill when supported), JSON out;
+#                then, with AB_BUILDS, a same-call A/B of other builds (scripts/ab_decode.py)
 #   5. summary   a table of step, result (PASS/FAIL/SKIP), seconds and counts, printed last
 # Logs and JSON go to ${OUT:-./device-out}, packed into device-run.tgz at the end. Exits non-zero
 # when any step failed; the table is printed in every case.
@@ -24,6 +25,8 @@
 #                          deterministic mode) or "--flush read"
 #   BENCH_DECODE_PARTS=N   run the decode sweep as N parts (--part K/N), each its own JSON;
 #   BENCH_DECODE_PART=K/N  or only part K (merge the JSONs with bench/merge_results.py)
+#   AB_BUILDS, AB_CASES, AB_ROUNDS, AB_DEADLINE_S   an A/B of other mla-bench builds against
+#                          this one (step 4b; scripts/ab_decode.py)
 #   SANITIZE_TIMEOUT_S, BENCH_TIMEOUT_S, TEST_TIMEOUT_S   per-step time limits in seconds
 #   PACK_OUTPUT=0          leave the logs and JSON as files (default: one device-run.tgz at the end)
 set -euo pipefail
@@ -231,6 +234,26 @@ else
       run_bench "$sweep"
     fi
   done
+fi
+
+# ---- 4b. A/B of other builds (optional) --------------------------------------------------------
+# AB_BUILDS="tag=path/to/mla-bench ..." (space-separated) runs scripts/ab_decode.py with this
+# build's mla-bench as the base ("main") against each, on AB_CASES (mla-bench case options,
+# cases separated by ';', e.g. "--heads 128 --batch 1 --kv-len 16384 --rows hopper"), AB_ROUNDS
+# rounds (default 3), starting no run after AB_DEADLINE_S seconds (default 300).
+if [[ -n "${AB_BUILDS:-}" ]]; then
+  t0=$(now)
+  ab_args=(--out "$OUT_DIR/ab" --rounds "${AB_ROUNDS:-3}" --deadline "${AB_DEADLINE_S:-300}"
+           --build "main=$BENCH")
+  for b in $AB_BUILDS; do ab_args+=(--build "$b"); done
+  IFS=';' read -r -a ab_cases <<<"${AB_CASES:-}"
+  for c in "${ab_cases[@]}"; do [[ -n "${c// /}" ]] && ab_args+=(--case "$c"); done
+  rc=0
+  echo "== scripts/ab_decode.py ${ab_args[*]}"
+  python3 "$SRC_DIR/scripts/ab_decode.py" "${ab_args[@]}" >"$OUT_DIR/ab.log" 2>&1 || rc=$?
+  tail -40 "$OUT_DIR/ab.log" || true
+  record "a/b" "$( ((rc == 0)) && echo PASS || echo FAIL)" $(($(now) - t0)) \
+    "exit $rc, $(wc -w <<<"$AB_BUILDS") builds against main, ${#ab_cases[@]} cases, see ab.log"
 fi
 
 # ---- 5. summary: printed by the EXIT trap ----------------------------------------------------
