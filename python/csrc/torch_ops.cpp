@@ -396,6 +396,19 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
                                                Layout::kContiguous, true});
   args.deterministic = deterministic;
   const int split_keys = to_int(op, "workspace_split_keys", workspace_split_keys);
+  const int ws_max_kv_len = to_int(op, "workspace_max_kv_len", workspace_max_kv_len);
+  if (ws.given && (split_keys < 0 || split_keys % 64 != 0))
+    fail(op, "workspace_split_keys must be 0 (a balanced workspace) or a positive multiple of 64, "
+         "got ", split_keys);
+  if (ws.given && split_keys > 0) {
+    // What a deterministic workspace covers, checked on every device (the CPU ignores the
+    // workspace but takes the same arguments).
+    const int64_t table_keys = args.block_table.shape[1] * args.kv_cache.shape[1];
+    if (ws_max_kv_len < 1 || table_keys > ws_max_kv_len)
+      fail(op, "block_table holds up to ", table_keys, " keys a request (", args.block_table.shape[1],
+           " pages of ", args.kv_cache.shape[1], ") but the deterministic workspace was made for "
+           "workspace_max_kv_len = ", ws_max_kv_len, " (DecodeWorkspace's max_kv_len)");
+  }
   if (deterministic && ws.given && split_keys == 0)
     fail(op, "deterministic=True takes no balanced split-KV workspace (its cuts depend on the "
          "whole batch): pass workspace=None (every request unsplit) or a deterministic workspace "
@@ -411,8 +424,7 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
       const mla::TensorView& ref = args.q.empty() ? args.q_nope : args.q;
       schedule = cached_schedule(ws, to_int(op, "workspace_max_batch", workspace_max_batch),
                                  to_int(op, "workspace_max_q_len", workspace_max_q_len),
-                                 int(ref.shape[1]),
-                                 to_int(op, "workspace_max_kv_len", workspace_max_kv_len), split_keys);
+                                 int(ref.shape[1]), ws_max_kv_len, split_keys);
       if (args.kv_lens.shape[0] > 0)
         mla::plan_decode(schedule, args.kv_lens, args.cu_q_lens, std::max(args.q_len, 1),
                          args.cu_q_lens.empty() ? std::max(args.q_len, 1) : args.max_q_len, s);

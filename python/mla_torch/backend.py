@@ -336,6 +336,8 @@ class MlaBackend:
         self.split_keys = int(deterministic_split_keys) if self.deterministic else 0
         self.use_split_kv = use_split_kv and (not self.deterministic or self.split_keys > 0) and \
             self.device.type == "cuda" and torch.ops.mla.build_info() != "cpu"
+        if decode_workspace is not None:
+            self._check_workspace(decode_workspace)
         self.decode_workspace = decode_workspace
         self.extend_workspace: Optional[ops.DecodeWorkspace] = None  # EXTEND's absorbed path
         self.kv_lora_rank = ops.KV_LORA_RANK
@@ -399,20 +401,46 @@ class MlaBackend:
     def _max_blocks(self, max_kv_len: int) -> int:
         return max(1, _cdiv(min(max_kv_len, self.max_context_len), self.page_size))
 
-    def new_workspace(self, max_batch: int, max_q_len: int) -> ops.DecodeWorkspace:
+    def _workspace_max_kv_len(self) -> int:
+        """Keys of the widest block table this backend passes (a deterministic workspace's
+        bound; 0 for a balanced one)."""
+        return self._max_blocks(self.max_context_len) * self.page_size if self.split_keys else 0
+
+    def _check_workspace(self, ws: Any) -> None:
+        """A decode_workspace given to the backend must be the kind it decodes with."""
+        what = (f"a deterministic workspace (split_keys {self.split_keys}, max_kv_len >= "
+                f"{self._workspace_max_kv_len()})" if self.split_keys else "a balanced workspace")
+        if not self.use_split_kv:
+            raise ValueError("MlaBackend: decode_workspace is given but this backend decodes "
+                             "without a split-KV workspace (" +
+                             ("deterministic without deterministic_split_keys"
+                              if self.deterministic else "use_split_kv off, or not on CUDA") + ")")
+        if ws.split_keys != self.split_keys or ws.max_kv_len < self._workspace_max_kv_len() or \
+                ws.num_heads != self.num_q_heads:
+            raise ValueError(f"MlaBackend: decode_workspace (split_keys {ws.split_keys}, "
+                             f"max_kv_len {ws.max_kv_len}, {ws.num_heads} heads) does not serve "
+                             f"this backend: it needs {what} for {self.num_q_heads} heads")
+
+    def new_workspace(self, max_batch: int, max_q_len: int, keep_replaced: bool = True) -> ops.DecodeWorkspace:
         """A split-KV workspace for this backend's decodes: deterministic (for block tables as
         wide as the context) when the backend is."""
-        max_kv_len = self._max_blocks(self.max_context_len) * self.page_size if self.split_keys else 0
         return ops.DecodeWorkspace(max_batch, max_q_len, self.num_q_heads, self.device,
-                                   max_kv_len=max_kv_len, split_keys=self.split_keys)
+                                   max_kv_len=self._workspace_max_kv_len(),
+                                   split_keys=self.split_keys, keep_replaced=keep_replaced)
 
     def _workspace(self, md: DecodeMetadata, kind: str) -> dict:
         if kind == _EXTEND:
-            # EXTEND's long query counts get a workspace of their own (eager only), so that the
-            # decode family's (shared by draft steps, sized for the graphs' batches) does not grow
-            # to the largest batch times the longest extend.
+            # EXTEND's long query counts get a workspace of their own (eager only: no graph keeps
+            # its old buffers), so that the decode family's (shared by draft steps, sized for the
+            # graphs' batches) does not grow to the largest batch times the longest extend. The
+            # deterministic mode runs EXTEND unsplit: a deterministic workspace holds every
+            # piece of every row tile at the full context, and a long extend fills the SMs with
+            # its row tiles anyway.
+            if self.deterministic:
+                return {}
             if self.extend_workspace is None:
-                self.extend_workspace = self.new_workspace(md.batch_size, md.max_q_len)
+                self.extend_workspace = self.new_workspace(md.batch_size, md.max_q_len,
+                                                           keep_replaced=False)
             else:
                 self.extend_workspace.grow(md.batch_size, md.max_q_len)
             return self.extend_workspace.kwargs()
@@ -558,10 +586,19 @@ class MlaBackend:
     # ---- CUDA graphs ----------------------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int,
-                              kv_indices_buf: Optional[Tensor] = None) -> None:
+                              kv_indices_buf: Optional[Tensor] = None,
+                              decode_only: bool = False) -> None:
         """Preallocates the decode-family buffers at their maximum: block tables at the full
-        context width, kv lengths and cumulative query lengths for max_bs requests."""
+        context width, kv lengths and cumulative query lengths for max_bs requests.
+        decode_only: the graphs will be DECODE only (one query a request: a draft step's)."""
         max_blocks = self._max_blocks(self.max_context_len)
+        if self.use_split_kv:  # big enough for every captured batch, so capture never allocates;
+            # first, so that a workspace that cannot grow leaves the graph state as it was
+            q_bound = 1 if decode_only else max(1, self.num_draft_tokens, max_num_tokens // max(max_bs, 1))
+            if self.decode_workspace is None:
+                self.decode_workspace = self.new_workspace(max_bs, q_bound)
+            else:
+                self.decode_workspace.grow(max_bs, q_bound)
         if kv_indices_buf is not None:
             if kv_indices_buf.shape[0] < max_bs or kv_indices_buf.shape[1] < max_blocks \
                     or kv_indices_buf.dtype != torch.int32:
@@ -576,12 +613,6 @@ class MlaBackend:
         self.cuda_graph_q_lens = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         self.cuda_graph_max_bs = max_bs
         self.cuda_graph_max_num_tokens = max_num_tokens
-        if self.use_split_kv:  # big enough for every captured batch, so capture never allocates
-            q_bound = max(1, self.num_draft_tokens, max_num_tokens // max(max_bs, 1))
-            if self.decode_workspace is None:
-                self.decode_workspace = self.new_workspace(max_bs, q_bound)
-            else:
-                self.decode_workspace.grow(max_bs, q_bound)
         self.decode_cuda_graph_metadata = {}
 
     def _graph_metadata(self, bs: int, kind: str, spec_info: Any) -> DecodeMetadata:
@@ -942,9 +973,11 @@ class MlaMultiStepDraftBackend:
         self._share_workspace()
 
     def _share_workspace(self) -> None:
-        """The steps decode one after another on one stream: one split-KV workspace serves all."""
+        """The steps decode one after another on one stream: one split-KV workspace serves all
+        (the one given as decode_workspace, else a new one)."""
         if self.attn_backends and self.attn_backends[0].use_split_kv:
-            ws = self.attn_backends[0].new_workspace(1, 1)
+            b0 = self.attn_backends[0]
+            ws = b0.decode_workspace if b0.decode_workspace is not None else b0.new_workspace(1, 1)
             for backend in self.attn_backends:
                 backend.decode_workspace = ws
 
@@ -983,8 +1016,9 @@ class MlaMultiStepDraftBackend:
         max_blocks = self.attn_backends[0]._max_blocks(self.attn_backends[0].max_context_len)
         shared = torch.full((max_bs, max_blocks), -1, dtype=torch.int32,
                             device=self.attn_backends[0].device)
-        for backend in self.attn_backends:
-            backend.init_cuda_graph_state(max_bs, max_num_tokens, kv_indices_buf=shared)
+        for backend in self.attn_backends:  # (their graphs are DECODE steps: one query each)
+            backend.init_cuda_graph_state(max_bs, max_num_tokens, kv_indices_buf=shared,
+                                          decode_only=True)
 
     def _each(self, forward_batch: Any, capture: bool, bs: int) -> None:
         n = len(self.attn_backends)

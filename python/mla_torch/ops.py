@@ -140,16 +140,18 @@ class DecodeWorkspace:
     capacity. grow() allocates a larger buffer for a larger batch (never while a CUDA graph is
     captured). The buffers it replaces stay allocated as long as the workspace lives: a CUDA
     graph captured earlier keeps planning into and reading from the buffer it was captured
-    with. split_keys > 0 makes it a deterministic workspace (for deterministic=True) for block
-    tables of up to max_kv_len keys."""
+    with (keep_replaced=False drops them: a workspace that no graph captures). split_keys > 0
+    makes it a deterministic workspace (for deterministic=True) for block tables of up to
+    max_kv_len keys."""
 
     def __init__(self, max_batch: int, max_q_len: int, num_heads: int, device,
-                 max_kv_len: int = 0, split_keys: int = 0):
+                 max_kv_len: int = 0, split_keys: int = 0, keep_replaced: bool = True):
         self.num_heads = num_heads
         self.max_kv_len, self.split_keys = int(max_kv_len), int(split_keys)
         self.device = torch.device(device)
         self.max_batch = self.max_q_len = 0
         self.buffer: Optional[Tensor] = None
+        self.keep_replaced = keep_replaced
         self._replaced: list = []
         self.grow(max_batch, max_q_len)
 
@@ -164,7 +166,7 @@ class DecodeWorkspace:
             nbytes = decode_workspace_bytes(new_batch, new_q_len, self.num_heads,
                                             self.max_kv_len, self.split_keys)
         buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        if self.buffer is not None:
+        if self.buffer is not None and self.keep_replaced:
             self._replaced.append(self.buffer)
         self.buffer, self.max_batch, self.max_q_len = buffer, new_batch, new_q_len
 

@@ -2,6 +2,7 @@
 forward mode takes, the metadata it plans, CUDA-graph buffer updates in place, data-parallel
 re-planning, the multi-step draft backend's shared buffers, and the errors for misuse."""
 
+import contextlib
 import enum
 from types import SimpleNamespace
 
@@ -10,8 +11,8 @@ import torch
 
 from conftest import requires_cuda
 from mla_reference import cdiv, make_cos_sin_cache
-from mla_torch import (AttentionLayer, ForwardBatch, ForwardMode, LatentKvPool, MlaBackend,
-                       MlaMultiStepDraftBackend, SpecInfo, mode_kind)
+from mla_torch import (AttentionLayer, DecodeMetadata, ForwardBatch, ForwardMode, LatentKvPool,
+                       MlaBackend, MlaMultiStepDraftBackend, SpecInfo, mode_kind, ops)
 
 PAGE = 4
 
@@ -349,6 +350,91 @@ def test_deterministic_split_keys():
         ws = det.new_workspace(3, 1)
         assert ws.split_keys == 128 and ws.max_kv_len == det.max_context_len
         assert ws.kwargs()["workspace_split_keys"] == 128
+
+
+@pytest.fixture
+def cpu_workspaces(monkeypatch):
+    """DecodeWorkspace on the CPU (256 bytes each), recording the capacity each is sized for."""
+    asked = []
+
+    def fake_bytes(max_batch, max_q_len, num_heads, max_kv_len=0, split_keys=0):
+        asked.append((max_batch, max_q_len, num_heads, max_kv_len, split_keys))
+        return 256
+
+    monkeypatch.setattr(ops, "decode_workspace_bytes", fake_bytes)
+    monkeypatch.setattr(torch.cuda, "device", contextlib.nullcontext)
+    return asked
+
+
+def test_deterministic_extend_runs_unsplit(cpu_workspaces):
+    """EXTEND's absorbed path takes no workspace in the deterministic mode (a deterministic one
+    would hold every piece of every row tile of the longest extend at the full context)."""
+    b, _ = make_backend(deterministic=True, deterministic_split_keys=1024)
+    md = DecodeMetadata(1, torch.zeros(1, 32, dtype=torch.int32), torch.tensor([2048]),
+                        torch.tensor([0, 2048]), 0, 2048, 2048)
+    assert b._workspace(md, "extend") == {} and not cpu_workspaces
+
+
+def test_extend_workspace_drops_replaced_buffers(cpu_workspaces):
+    """The EXTEND workspace is eager only (no graph keeps a buffer): growing it frees the old one."""
+    b, _ = make_backend()
+    for q in (16, 64, 256):
+        md = DecodeMetadata(1, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([q]),
+                            torch.tensor([0, q]), 0, q, q)
+        b._workspace(md, "extend")
+    assert b.extend_workspace.max_q_len == 256 and b.extend_workspace._replaced == []
+
+
+def test_decode_workspace_must_serve_the_backend(cpu_workspaces):
+    """A decode_workspace of the wrong kind (balanced for a deterministic split, too narrow a
+    max_kv_len, another split or head count) or one the backend would not use is refused."""
+    b, r2t = make_backend(deterministic=True, deterministic_split_keys=1024)
+    with pytest.raises(ValueError, match="decode_workspace is given but .*deterministic without"):
+        make_backend(deterministic=True, decode_workspace=ops.DecodeWorkspace(2, 1, 4, "cpu"))
+    b.use_split_kv = True  # as on CUDA
+    good = ops.DecodeWorkspace(2, 1, 4, "cpu", max_kv_len=b.max_context_len, split_keys=1024)
+    b._check_workspace(good)
+    for bad in (ops.DecodeWorkspace(2, 1, 4, "cpu"),
+                ops.DecodeWorkspace(2, 1, 4, "cpu", max_kv_len=b.max_context_len - 1, split_keys=1024),
+                ops.DecodeWorkspace(2, 1, 4, "cpu", max_kv_len=b.max_context_len, split_keys=512),
+                ops.DecodeWorkspace(2, 1, 8, "cpu", max_kv_len=b.max_context_len, split_keys=1024)):
+        with pytest.raises(ValueError, match="decode_workspace .* does not serve this backend"):
+            b._check_workspace(bad)
+
+
+def test_init_cuda_graph_state_keeps_state_when_workspace_fails(cpu_workspaces):
+    b, _ = make_backend()
+    b.init_cuda_graph_state(4, 4)
+    before = (b.cuda_graph_block_table, b.cuda_graph_max_bs)
+
+    class CannotGrow:
+        def grow(self, *args):
+            raise torch.cuda.OutOfMemoryError("out of memory")
+
+    b.use_split_kv, b.decode_workspace = True, CannotGrow()
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        b.init_cuda_graph_state(64, 64)
+    assert (b.cuda_graph_block_table, b.cuda_graph_max_bs) == before
+
+
+def test_multi_step_shares_the_given_workspace_sized_for_one_query(cpu_workspaces):
+    """The draft steps share the decode_workspace given to them (else a new one), grown for
+    DECODE steps of one query, not for num_draft_tokens."""
+    kw = dict(deterministic=True, deterministic_split_keys=1024, num_draft_tokens=4)
+    _, r2t = make_backend()
+    d = MlaMultiStepDraftBackend(speculative_num_steps=3, num_q_heads=4, page_size=PAGE,
+                                 req_to_token=r2t, token_to_kv_pool=LatentKvPool(1, 6, PAGE, torch.bfloat16, "cpu"),
+                                 kv_cache_dtype=torch.bfloat16, **kw)
+    for s in d.attn_backends:  # as on CUDA
+        s.use_split_kv = True
+    d._share_workspace()
+    assert len({id(s.decode_workspace) for s in d.attn_backends}) == 1
+    d.init_cuda_graph_state(16, 16)
+    assert d.attn_backends[0].decode_workspace.max_q_len == 1
+    user = ops.DecodeWorkspace(8, 1, 4, "cpu", max_kv_len=64, split_keys=1024)
+    d.attn_backends[0].decode_workspace = user
+    d._share_workspace()
+    assert all(s.decode_workspace is user for s in d.attn_backends)
 
 
 def test_from_model_runner():

@@ -236,3 +236,23 @@ def test_torch_compile_fullgraph(gen):
     compiled = torch.compile(attend_and_merge, backend="aot_eager", fullgraph=True)
     got = compiled(q, paged.cache, paged.block_table, paged.kv_lens)
     assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+
+
+def test_deterministic_workspace_arguments_checked_on_every_device(gen):
+    """What a deterministic workspace must cover is checked on the CPU too (which ignores the
+    workspace): a block table wider than workspace_max_kv_len, a split that is not a multiple of
+    64, a negative split."""
+    a = decode_args(gen, kv_lens=(5, 9), page_size=4)  # block table: 3 pages of 4 = 12 keys
+    ws = torch.zeros(256, dtype=torch.uint8)
+
+    def run(max_kv_len, split, deterministic=True):
+        mla.mla_decode(a["q"], None, None, a["kv_cache"], a["block_table"], a["kv_lens"], None, 1, 1,
+                       0.1, 1.0, 1.0, a["out"], a["lse"], ws, 2, 1, deterministic, max_kv_len, split)
+
+    table_keys = a["block_table"].shape[1] * 4
+    expect_error(lambda: run(table_keys - 1, 64), "block_table holds up to %d keys" % table_keys,
+                 "workspace_max_kv_len = %d" % (table_keys - 1))
+    expect_error(lambda: run(0, 64), "workspace_max_kv_len = 0")
+    expect_error(lambda: run(1024, 100), "workspace_split_keys must be 0 .* multiple of 64, got 100")
+    expect_error(lambda: run(1024, -64, False), "workspace_split_keys must be 0 .* got -64")
+    run(table_keys, 64)  # fits: the CPU computes without the workspace
