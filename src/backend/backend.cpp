@@ -9,6 +9,9 @@
 #include "cpu/load_index.hpp"
 #include "mla/error.hpp"
 #include "mla/ops.hpp"
+#if defined(MLA_WITH_CUDA)
+#include "cuda/cuda_check.hpp"
+#endif
 
 namespace mla {
 namespace detail {
@@ -433,8 +436,10 @@ void Backend::Impl::plan_extend(const ForwardBatch& batch, Stream stream) {
     chunk.slots = detail::int32_view(base + at_slots + chunk.first_token, {chunk.num_tokens}, device);
   }
   // The split-KV schedule only when the absorbed path is the planned one (without it the
-  // absorbed kernel still runs, unsplit).
-  if (ext.use_absorbed) attach_schedule(op, p, eager_schedule, true, stream);
+  // absorbed kernel still runs, unsplit), on a slot of its own. The deterministic mode runs
+  // EXTEND unsplit: a deterministic schedule holds every piece of every row tile at the full
+  // context (GiB for long extends), and a long extend fills the SMs with its row tiles anyway.
+  if (ext.use_absorbed && !config.deterministic) attach_schedule(op, p, extend_schedule, true, stream);
   p.extend = std::move(ext);
   plan = std::move(p);
 }
@@ -557,6 +562,9 @@ void Backend::Impl::reserve_schedule(ScheduleSlot& slot, int max_batch, int max_
   const int max_kv_len = int(std::min<int64_t>(
       INT32_MAX, int64_t(padded_block_count(max_context_len, config.page_size)) * config.page_size));
   const int heads = config.num_q_heads;
+#if defined(MLA_WITH_CUDA)
+  const cuda::DeviceGuard guard(config.device);  // the schedule's SM count and its workspace
+#endif
   const size_t bytes =
       split_keys > 0
           ? decode_workspace_bytes_deterministic(max_batch, max_q_len, heads, max_kv_len, split_keys)
@@ -828,15 +836,19 @@ void Backend::init_cuda_graph_state(int max_bs, int64_t max_num_tokens) {
   detail::Int32Layout layout;
   const int64_t at_kv_lens = layout.add(max_bs);
   const int64_t at_block_table = layout.add(int64_t(max_bs) * width);
+  // Everything allocated before the graph state changes: an allocation that fails leaves the
+  // buffers and their sizes as they were (a failed schedule leaves its slot empty, which a
+  // capture then reports).
   s.planned = false;  // the plan may point into the buffers being replaced
-  s.graph_buffer = detail::Buffer(size_t(layout.size()) * sizeof(int32_t), s.config.device);
+  s.reserve_schedule(s.graph_schedule, max_bs, std::max(1, s.config.num_draft_tokens), nullptr);
+  detail::Buffer buffer(size_t(layout.size()) * sizeof(int32_t), s.config.device);
+  s.graph_buffer = std::move(buffer);
   auto* base = static_cast<int32_t*>(s.graph_buffer.data());
   s.graph_kv_lens = base + at_kv_lens;
   s.graph_block_table = base + at_block_table;
   s.graph_max_bs = max_bs;
   s.graph_max_num_tokens = max_num_tokens;
   s.graph_max_blocks = width;
-  s.reserve_schedule(s.graph_schedule, max_bs, std::max(1, s.config.num_draft_tokens), nullptr);
 }
 
 void Backend::init_forward_metadata_capture_cuda_graph(int bs, int64_t num_tokens,

@@ -97,10 +97,13 @@ struct Backend::Impl {
   detail::Buffer graph_buffer;        // kv_lens [max_bs] | block_table [max_bs, graph_max_blocks]
   int32_t* graph_kv_lens = nullptr;
   int32_t* graph_block_table = nullptr;
-  // Split-KV schedules (CUDA): one for eager plans, one for the graph buffers, so that an eager
-  // re-plan never moves memory a captured graph reads.
+  // Split-KV schedules (CUDA): one for eager plans of the decode family, one for the graph
+  // buffers, so that an eager re-plan never moves memory a captured graph reads, and one for
+  // EXTEND's absorbed path, so that the decode family's is not grown to the largest batch times
+  // the longest extend.
   ScheduleSlot eager_schedule;
   ScheduleSlot graph_schedule;
+  ScheduleSlot extend_schedule;
 
   void validate_config();
   void plan_batch(const ForwardBatch& batch, Stream stream);

@@ -220,22 +220,28 @@ void MultiStepDraftBackend::init_cuda_graph_state(int max_bs, int64_t max_num_to
   MLA_CHECK(max_num_tokens >= max_bs, op, ": max_num_tokens must be >= max_bs, got ",
             max_num_tokens, " with max_bs ", max_bs);
   Impl& s = *impl_;
-  s.graph_max_bs = max_bs;
-  s.graph_max_num_tokens = max_num_tokens;
-  if (s.steps.empty()) return;
+  if (s.steps.empty()) {
+    s.graph_max_bs = max_bs;
+    s.graph_max_num_tokens = max_num_tokens;
+    return;
+  }
   const int width = padded_block_count(s.max_context_len(), s.config.page_size);
   const int64_t kv_count = int64_t(s.steps.size()) * max_bs;
   const int64_t block_table_at = (kv_count + 63) / 64 * 64;
+  // Everything allocated before the graph state changes: an allocation that fails leaves the
+  // buffer and the sizes its views are cut by as they were (a failed schedule leaves its slot
+  // empty, which a capture then reports).
   for (Backend& step : s.steps) step.impl_->planned = false;
-  s.graph_buffer = detail::Buffer(size_t(block_table_at + int64_t(max_bs) * width) * sizeof(int32_t),
-                                  s.config.device);
+  for (Backend& step : s.steps)
+    step.impl_->reserve_schedule(step.impl_->graph_schedule, max_bs, 1, nullptr);
+  detail::Buffer buffer(size_t(block_table_at + int64_t(max_bs) * width) * sizeof(int32_t),
+                        s.config.device);
+  s.graph_buffer = std::move(buffer);
   s.graph_base = static_cast<int32_t*>(s.graph_buffer.data());
   s.graph_block_table_at = block_table_at;
   s.graph_max_bs = max_bs;
   s.graph_max_num_tokens = max_num_tokens;
   s.graph_max_blocks = width;
-  for (Backend& step : s.steps)
-    step.impl_->reserve_schedule(step.impl_->graph_schedule, max_bs, 1, nullptr);
 }
 
 void MultiStepDraftBackend::init_forward_metadata_capture_cuda_graph(

@@ -6,6 +6,7 @@
 // Pools have their pages handed out in random order and every unused entry holds NaN, so a
 // wrong page id or a read past a sequence shows up as NaN or a mismatch.
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <cmath>
 #include <cstdint>
@@ -1276,6 +1277,29 @@ TEST(BackendReplan, ForwardOfALargerBatchReplansInsteadOfReadingPastThePlan) {
   step1_batch.seq_lens = first.seq_lens.view();  // the same batch for every step
   draft.step(1).forward_decode(step1_batch, make_layer(pool), second.args());
   expect_matches(second, naive_absorbed(pool, second), "draft step 1 after re-plan");
+}
+
+// A graph state that cannot be allocated leaves the previous one in use: the draft backend's
+// step views are cut from its buffer by graph_max_bs, which used to take the new size before the
+// allocation failed (step 1's lengths then lay far past the old buffer).
+TEST(BackendCudaGraph, FailedDraftGraphStateKeepsThePreviousOne) {
+  std::mt19937_64 rng(77);
+  const int heads = 4, num_steps = 3;
+  // Page size 1 and a 65536-token context: rows of 65536 pages, so 2^31 - 1 requests ask for
+  // 512 TiB, which no allocator gives.
+  Pool pool(1, 256, 65536, 4, DType::kFP16, 3);
+  std::vector<Request> base = {{0, 12, 1}, {1, 40, 1}};
+  for (const Request& r : base) pool.reserve(r.slot, r.cached + num_steps);
+  AbsorbedProblem p = make_absorbed_problem(pool, base, heads, DType::kFP16, rng);
+  MultiStepDraftBackend draft(num_steps, make_config(pool, heads));
+  draft.init_cuda_graph_state(2, 2);
+  EXPECT_THROW(draft.init_cuda_graph_state(INT32_MAX, INT32_MAX), Error);
+  draft.init_forward_metadata_capture_cuda_graph(2, 2, p.req_pool_indices.view(), p.seq_lens.view());
+  const auto* step0 = static_cast<const int32_t*>(draft.step(0).plan().kv_lens.data);
+  const auto* step1 = static_cast<const int32_t*>(draft.step(1).plan().kv_lens.data);
+  EXPECT_EQ(step1 - step0, 2) << "step 1's lengths follow step 0's in the 2-request buffer";
+  EXPECT_EQ(step0[0], 12 + 1);
+  EXPECT_EQ(step1[1], 40 + 2);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1059,25 +1059,37 @@ TEST(GpuBackend, ExtendChunkedAndAbsorbedMatchCpuBackend) {
       BackendConfig cpu_config = make_config(pool, c.heads, false, DType::kBF16);
       BackendConfig gpu_config = make_config(pool, c.heads, true, DType::kBF16);
       cpu_config.extend_prefix_path = gpu_config.extend_prefix_path = ExtendPrefixPath::kAbsorbed;
-      Backend cpu(cpu_config), gpu(gpu_config);
+      Backend cpu(cpu_config);
       const ForwardBatch cpu_batch = b.batch(false);
       cpu.init_forward_metadata(cpu_batch);
       cpu.forward_extend_absorbed(cpu_batch, make_layer(pool, false), b.absorbed_args(false));
-      const ForwardBatch gpu_batch = b.batch(true);
-      gpu.init_forward_metadata(gpu_batch, stream.get());
-      EXPECT_TRUE(gpu.plan().extend.use_absorbed);
-      EXPECT_NE(gpu.plan().schedule, nullptr);
-      gpu.forward_extend_absorbed(gpu_batch, make_layer(pool, true), b.absorbed_args(true), stream.get());
-      MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
-
-      EXPECT_TRUE(bitwise_equal(pool.d_cache.download(), pool.cache)) << "cache after the saves";
-      const HostTensor out = b.d_out_abs.download(), lse = b.d_lse_abs.download();
       const NaiveAttention ref = naive_absorbed(pool, b.q_abs.view(), slots,
                                                 std::vector<int>(b.seq_lens_cpu.begin(), b.seq_lens_cpu.end()),
                                                 b.extend);
-      expect_close(out, lse, ref, "CUDA backend vs float64 naive");
       expect_close(b.out_abs, b.lse_abs, ref, "CPU backend vs float64 naive");
-      expect_close(out, lse, b.out_abs, b.lse_abs, "CUDA backend vs CPU backend");
+      // Split-KV on its own schedule; the deterministic mode (with split keys) unsplit.
+      for (const bool deterministic : {false, true}) {
+        SCOPED_TRACE(deterministic ? "deterministic" : "default");
+        gpu_config.deterministic = deterministic;
+        gpu_config.deterministic_split_keys = deterministic ? 1024 : 0;
+        Backend gpu(gpu_config);
+        for (DeviceCopy* d : {&b.d_out_abs, &b.d_lse_abs}) {  // NaN: every row must be written
+          HostTensor poison = d->download();
+          poison.fill_nan();
+          d->upload(poison);
+        }
+        const ForwardBatch gpu_batch = b.batch(true);
+        gpu.init_forward_metadata(gpu_batch, stream.get());
+        EXPECT_TRUE(gpu.plan().extend.use_absorbed);
+        EXPECT_EQ(gpu.plan().schedule == nullptr, deterministic);
+        gpu.forward_extend_absorbed(gpu_batch, make_layer(pool, true), b.absorbed_args(true), stream.get());
+        MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+
+        EXPECT_TRUE(bitwise_equal(pool.d_cache.download(), pool.cache)) << "cache after the saves";
+        const HostTensor out = b.d_out_abs.download(), lse = b.d_lse_abs.download();
+        expect_close(out, lse, ref, "CUDA backend vs float64 naive");
+        expect_close(out, lse, b.out_abs, b.lse_abs, "CUDA backend vs CPU backend");
+      }
     }
   }
 }
