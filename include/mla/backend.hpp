@@ -85,17 +85,18 @@ struct BackendConfig {
   // whatever the other requests of its batch, its place in it and the batch size, and on every
   // run (same config, device and inputs). The decode family and EXTEND's absorbed path run
   // mla_decode with MlaDecodeArgs::deterministic (unsplit, no split-KV schedule planned or
-  // allocated, unless deterministic_split_keys below); EXTEND's chunked path uses deterministic prefix chunks (mla/plan.hpp), and the
+  // allocated; the decode family split by deterministic_split_keys below); EXTEND's chunked path uses deterministic prefix chunks (mla/plan.hpp), and the
   // kAuto choice between the two paths, which depends on the whole batch, becomes kChunked.
   // Slower where splitting pays (a few long requests); about as fast at large batches. The
   // chunked path's up_project callback must then give each row the same bits whatever the
   // number of rows of the call (a chunk's row count depends on the other requests).
   bool deterministic = false;
-  // With `deterministic` on the GPU: 0 runs every request unsplit (one CTA a row tile); > 0 (a
-  // multiple of 64) plans a deterministic split-KV schedule that cuts every request's keys every
-  // deterministic_split_keys keys (mla/schedule.hpp), so that a few long requests still use every
-  // SM. Its workspace holds a partial result for each piece of the largest batch at
-  // max_context_len (128 KiB a piece of a 64-row tile): a larger value takes less memory.
+  // With `deterministic` on the GPU: 0 runs every request of the decode family unsplit (one CTA
+  // a row tile); > 0 (a multiple of 64) plans a deterministic split-KV schedule that cuts every
+  // request's keys every deterministic_split_keys keys (mla/schedule.hpp), so that a few long
+  // requests still use every SM. Its workspace holds a partial result for each piece of the
+  // largest batch at max_context_len (128 KiB a piece of a 64-row tile): a larger value takes
+  // less memory. EXTEND's absorbed path stays unsplit (its row tiles fill the SMs).
   int deterministic_split_keys = 0;
 };
 

@@ -291,9 +291,10 @@ class MlaBackend:
         only at multiples of chunked_prefix_capacity of its own positions (pieces packed whole,
         in order). From an SGLang ModelRunner: server_args.enable_deterministic_inference.
       deterministic_split_keys: with deterministic on CUDA, > 0 (a multiple of 64) cuts every
-        request's keys at the multiples of this many keys and spreads the pieces over all SMs
-        (a deterministic split-KV workspace with room for every piece of the largest batch at
-        the full context: a larger value takes less memory); 0 runs unsplit.
+        request's keys of the decode family at the multiples of this many keys and spreads the
+        pieces over all SMs (a deterministic split-KV workspace with room for every piece of the
+        largest batch at the full context: a larger value takes less memory); 0 runs unsplit.
+        EXTEND's absorbed path stays unsplit (its row tiles fill the SMs).
     """
 
     def __init__(self, *, num_q_heads: int, page_size: int, req_to_token: Tensor,
