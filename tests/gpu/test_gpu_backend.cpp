@@ -1380,118 +1380,122 @@ std::vector<Request> random_requests(int bs, int first_slot, int q_len, int long
 TEST(GpuBackendGraph, DecodeAndTargetVerifyReplaysEqualEagerRuns) {
   MLA_REQUIRE_GPU();
   for (ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kTargetVerify, ForwardMode::kDraftExtend}) {
-    SCOPED_TRACE(forward_mode_name(mode));
-    const int heads = 16, page_size = 16, max_bs = 32, max_len = 1024;
-    const int q_len = mode == ForwardMode::kDecode ? 1 : 3;
-    const int64_t max_tokens = int64_t(max_bs) * q_len;
-    // Slot 0 holds the capture-time dummy request; rounds alternate between two slot ranges.
-    const int num_slots = 2 * max_bs + 1;
-    std::mt19937_64 rng(uint64_t(mode) + 900);
-    Pool pool(page_size, 2 * max_bs * 40 + 8, max_len, num_slots, DType::kBF16, rng());
-    pool.reserve(0, 1);
-    pool.write_random(0, 0, rng);
-    pool.upload();
-    BackendConfig config = make_config(pool, heads, true, DType::kBF16);
-    config.num_draft_tokens = 3;
-    Backend graph(config), eager(config);
-    graph.init_cuda_graph_state(max_bs, max_tokens);
-    StaticBuffers buffers(max_bs, max_tokens, heads);
-    CudaStream stream;
-    const LayerParams layer = make_layer(pool, true);
-    int round_index = 0;
+    for (int split_keys : {0, 256}) {  // 256: the deterministic mode on its split schedule
+      SCOPED_TRACE(std::string(forward_mode_name(mode)) + (split_keys ? " deterministic split" : ""));
+      const int heads = 16, page_size = 16, max_bs = 32, max_len = 1024;
+      const int q_len = mode == ForwardMode::kDecode ? 1 : 3;
+      const int64_t max_tokens = int64_t(max_bs) * q_len;
+      // Slot 0 holds the capture-time dummy request; rounds alternate between two slot ranges.
+      const int num_slots = 2 * max_bs + 1;
+      std::mt19937_64 rng(uint64_t(mode) + 900);
+      Pool pool(page_size, 2 * max_bs * 40 + 8, max_len, num_slots, DType::kBF16, rng());
+      pool.reserve(0, 1);
+      pool.write_random(0, 0, rng);
+      pool.upload();
+      BackendConfig config = make_config(pool, heads, true, DType::kBF16);
+      config.num_draft_tokens = 3;
+      config.deterministic = split_keys > 0;
+      config.deterministic_split_keys = split_keys;
+      Backend graph(config), eager(config);
+      graph.init_cuda_graph_state(max_bs, max_tokens);
+      StaticBuffers buffers(max_bs, max_tokens, heads);
+      CudaStream stream;
+      const LayerParams layer = make_layer(pool, true);
+      int round_index = 0;
 
-    for (int bs : {1, 8, 32}) {
-      SCOPED_TRACE("bs " + std::to_string(bs));
-      const int64_t tokens = int64_t(bs) * q_len;
-      // Capture-time contents: every request is the dummy (slot 0, one token), as engines do;
-      // its new tokens are not saved (loc -1).
-      {
-        HostTensor r(DType::kInt64, {max_bs}), s(DType::kInt64, {max_bs}), l(DType::kInt64, {max_tokens});
-        for (int i = 0; i < max_bs; ++i) {
-          r.i64(i) = 0;
-          s.i64(i) = 1;
+      for (int bs : {1, 8, 32}) {
+        SCOPED_TRACE("bs " + std::to_string(bs));
+        const int64_t tokens = int64_t(bs) * q_len;
+        // Capture-time contents: every request is the dummy (slot 0, one token), as engines do;
+        // its new tokens are not saved (loc -1).
+        {
+          HostTensor r(DType::kInt64, {max_bs}), s(DType::kInt64, {max_bs}), l(DType::kInt64, {max_tokens});
+          for (int i = 0; i < max_bs; ++i) {
+            r.i64(i) = 0;
+            s.i64(i) = 1;
+          }
+          for (int64_t i = 0; i < max_tokens; ++i) l.i64(i) = -1;
+          buffers.rpi.upload(r);
+          buffers.seq.upload(s);
+          buffers.loc.upload(l);
         }
-        for (int64_t i = 0; i < max_tokens; ++i) l.i64(i) = -1;
-        buffers.rpi.upload(r);
-        buffers.seq.upload(s);
-        buffers.loc.upload(l);
-      }
-      graph.init_forward_metadata_capture_cuda_graph(bs, tokens, buffers.rpi.view(), buffers.seq.view(),
-                                                     mode, stream.get());
-      const Plan captured = graph.plan();
-      EXPECT_TRUE(captured.fixed_buffers);
-      EXPECT_EQ(captured.max_blocks, padded_block_count(max_len, page_size));
-      EXPECT_EQ(captured.q_len, q_len);
-      cudaGraphExec_t forward_graph = capture_graph(raw(stream), [&](Stream s) {
-        graph.forward_decode(buffers.batch(mode, bs), layer, buffers.args(tokens), s);
-      });
-      cudaGraphExec_t full_graph = capture_graph(raw(stream), [&](Stream s) {
-        graph.init_forward_metadata_replay_cuda_graph(bs, buffers.rpi.view(), buffers.seq.view(), mode, s);
-        graph.forward_decode(buffers.batch(mode, bs), layer, buffers.args(tokens), s);
-      });
-      ASSERT_NE(forward_graph, nullptr);
-      ASSERT_NE(full_graph, nullptr);
-      // One launch each on the dummy batch: whatever the first launch of a graph sets up is not
-      // counted as a replay allocation below.
-      MLA_TEST_CUDA(cudaGraphLaunch(forward_graph, raw(stream)));
-      MLA_TEST_CUDA(cudaGraphLaunch(full_graph, raw(stream)));
-      MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
-
-      for (int round = 0; round < 3; ++round, ++round_index) {
-        SCOPED_TRACE("round " + std::to_string(round));
-        // New requests in fresh slots (the previous round's pages go back NaN-poisoned).
-        const int first_slot = 1 + (round_index % 2) * max_bs;
-        for (int s = first_slot; s < first_slot + max_bs; ++s) pool.release(s);
-        const int long_len = round == 2 ? 600 : 200 + 50 * round;
-        AbsorbedBatch b = make_absorbed_batch(pool, mode, random_requests(bs, first_slot, q_len, long_len, rng),
-                                              heads, DType::kInt64, rng, true, DType::kBF16);
-        pool.upload();
-        buffers.load(b, num_slots, max_len);
-        mirror_save(pool, b.k_nope, b.k_pe, b.out_cache_loc);
-
-        const size_t free_before = free_device_memory();
-        // (a) metadata replayed eagerly, then the graph of forward_decode.
-        buffers.poison(raw(stream));
-        graph.init_forward_metadata_replay_cuda_graph(bs, buffers.rpi.view(), buffers.seq.view(), mode,
-                                                      stream.get());
-        EXPECT_EQ(graph.plan().block_table.data, captured.block_table.data);
-        EXPECT_EQ(graph.plan().kv_lens.data, captured.kv_lens.data);
-        EXPECT_EQ(graph.plan().schedule, captured.schedule);
+        graph.init_forward_metadata_capture_cuda_graph(bs, tokens, buffers.rpi.view(), buffers.seq.view(),
+                                                       mode, stream.get());
+        const Plan captured = graph.plan();
+        EXPECT_TRUE(captured.fixed_buffers);
+        EXPECT_EQ(captured.max_blocks, padded_block_count(max_len, page_size));
+        EXPECT_EQ(captured.q_len, q_len);
+        cudaGraphExec_t forward_graph = capture_graph(raw(stream), [&](Stream s) {
+          graph.forward_decode(buffers.batch(mode, bs), layer, buffers.args(tokens), s);
+        });
+        cudaGraphExec_t full_graph = capture_graph(raw(stream), [&](Stream s) {
+          graph.init_forward_metadata_replay_cuda_graph(bs, buffers.rpi.view(), buffers.seq.view(), mode, s);
+          graph.forward_decode(buffers.batch(mode, bs), layer, buffers.args(tokens), s);
+        });
+        ASSERT_NE(forward_graph, nullptr);
+        ASSERT_NE(full_graph, nullptr);
+        // One launch each on the dummy batch: whatever the first launch of a graph sets up is not
+        // counted as a replay allocation below.
         MLA_TEST_CUDA(cudaGraphLaunch(forward_graph, raw(stream)));
-        MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
-        const HostTensor out_a = buffers.out.download(tokens), lse_a = buffers.lse.download(tokens);
-        // (b) metadata replay and forward in one graph.
-        buffers.poison(raw(stream));
         MLA_TEST_CUDA(cudaGraphLaunch(full_graph, raw(stream)));
         MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
-        const HostTensor out_b = buffers.out.download(tokens), lse_b = buffers.lse.download(tokens);
-        EXPECT_EQ(free_device_memory(), free_before) << "device memory was allocated during replay";
-        EXPECT_TRUE(bitwise_equal(pool.d_cache.download(), pool.cache)) << "cache after the graph saves";
 
-        // (c) the same batch planned eagerly (width from the host lengths).
-        buffers.poison(raw(stream));
-        ForwardBatch eager_batch = buffers.batch(mode, bs);
-        eager_batch.seq_lens_cpu = b.seq_lens_cpu;
-        if (mode == ForwardMode::kDraftExtend) eager_batch.extend_seq_lens_cpu = b.q_lens;
-        eager.init_forward_metadata(eager_batch, stream.get());
-        eager.forward_decode(eager_batch, layer, buffers.args(tokens), stream.get());
-        MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
-        const HostTensor out_e = buffers.out.download(tokens), lse_e = buffers.lse.download(tokens);
+        for (int round = 0; round < 3; ++round, ++round_index) {
+          SCOPED_TRACE("round " + std::to_string(round));
+          // New requests in fresh slots (the previous round's pages go back NaN-poisoned).
+          const int first_slot = 1 + (round_index % 2) * max_bs;
+          for (int s = first_slot; s < first_slot + max_bs; ++s) pool.release(s);
+          const int long_len = round == 2 ? 600 : 200 + 50 * round;
+          AbsorbedBatch b = make_absorbed_batch(pool, mode, random_requests(bs, first_slot, q_len, long_len, rng),
+                                                heads, DType::kInt64, rng, true, DType::kBF16);
+          pool.upload();
+          buffers.load(b, num_slots, max_len);
+          mirror_save(pool, b.k_nope, b.k_pe, b.out_cache_loc);
 
-        EXPECT_TRUE(bitwise_equal(out_a, out_b)) << "forward graph vs full graph: out";
-        EXPECT_TRUE(bitwise_equal(lse_a, lse_b)) << "forward graph vs full graph: lse";
-        if (mode == ForwardMode::kDraftExtend) {
-          expect_close(out_a, lse_a, out_e, lse_e, "graph replay vs eager run");
-        } else {
-          EXPECT_TRUE(bitwise_equal(out_a, out_e)) << "graph replay vs eager: out";
-          EXPECT_TRUE(bitwise_equal(lse_a, lse_e)) << "graph replay vs eager: lse";
+          const size_t free_before = free_device_memory();
+          // (a) metadata replayed eagerly, then the graph of forward_decode.
+          buffers.poison(raw(stream));
+          graph.init_forward_metadata_replay_cuda_graph(bs, buffers.rpi.view(), buffers.seq.view(), mode,
+                                                        stream.get());
+          EXPECT_EQ(graph.plan().block_table.data, captured.block_table.data);
+          EXPECT_EQ(graph.plan().kv_lens.data, captured.kv_lens.data);
+          EXPECT_EQ(graph.plan().schedule, captured.schedule);
+          MLA_TEST_CUDA(cudaGraphLaunch(forward_graph, raw(stream)));
+          MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+          const HostTensor out_a = buffers.out.download(tokens), lse_a = buffers.lse.download(tokens);
+          // (b) metadata replay and forward in one graph.
+          buffers.poison(raw(stream));
+          MLA_TEST_CUDA(cudaGraphLaunch(full_graph, raw(stream)));
+          MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+          const HostTensor out_b = buffers.out.download(tokens), lse_b = buffers.lse.download(tokens);
+          EXPECT_EQ(free_device_memory(), free_before) << "device memory was allocated during replay";
+          EXPECT_TRUE(bitwise_equal(pool.d_cache.download(), pool.cache)) << "cache after the graph saves";
+
+          // (c) the same batch planned eagerly (width from the host lengths).
+          buffers.poison(raw(stream));
+          ForwardBatch eager_batch = buffers.batch(mode, bs);
+          eager_batch.seq_lens_cpu = b.seq_lens_cpu;
+          if (mode == ForwardMode::kDraftExtend) eager_batch.extend_seq_lens_cpu = b.q_lens;
+          eager.init_forward_metadata(eager_batch, stream.get());
+          eager.forward_decode(eager_batch, layer, buffers.args(tokens), stream.get());
+          MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+          const HostTensor out_e = buffers.out.download(tokens), lse_e = buffers.lse.download(tokens);
+
+          EXPECT_TRUE(bitwise_equal(out_a, out_b)) << "forward graph vs full graph: out";
+          EXPECT_TRUE(bitwise_equal(lse_a, lse_b)) << "forward graph vs full graph: lse";
+          if (mode == ForwardMode::kDraftExtend) {
+            expect_close(out_a, lse_a, out_e, lse_e, "graph replay vs eager run");
+          } else {
+            EXPECT_TRUE(bitwise_equal(out_a, out_e)) << "graph replay vs eager: out";
+            EXPECT_TRUE(bitwise_equal(lse_a, lse_e)) << "graph replay vs eager: lse";
+          }
+          const NaiveAttention ref = b.reference(pool);
+          expect_close(out_a, lse_a, ref, "graph replay vs float64 naive");
+          expect_close(out_e, lse_e, ref, "eager CUDA backend vs float64 naive");
         }
-        const NaiveAttention ref = b.reference(pool);
-        expect_close(out_a, lse_a, ref, "graph replay vs float64 naive");
-        expect_close(out_e, lse_e, ref, "eager CUDA backend vs float64 naive");
+        MLA_TEST_CUDA(cudaGraphExecDestroy(forward_graph));
+        MLA_TEST_CUDA(cudaGraphExecDestroy(full_graph));
       }
-      MLA_TEST_CUDA(cudaGraphExecDestroy(forward_graph));
-      MLA_TEST_CUDA(cudaGraphExecDestroy(full_graph));
     }
   }
 }
@@ -1507,95 +1511,99 @@ TEST(GpuBackendMultiStep, StepsEqualIndependentBackends) {
   const int heads = 16, page_size = 16, num_steps = 4, bs = 4, max_bs = 8, max_len = 512;
   const int steps = num_steps - 1;
   for (bool graph_mode : {false, true}) {
-    SCOPED_TRACE(graph_mode ? "graph" : "eager");
-    std::mt19937_64 rng(graph_mode ? 71 : 72);
-    Pool pool(page_size, 2 * max_bs * (max_len / page_size), max_len, 2 * bs, DType::kBF16, rng());
-    BackendConfig config = make_config(pool, heads, true, DType::kBF16);
-    MultiStepDraftBackend draft(num_steps, config);
-    ASSERT_EQ(draft.num_step_backends(), steps);
-    CudaStream stream;
-    const LayerParams layer = make_layer(pool, true);
-    std::vector<std::unique_ptr<StaticBuffers>> buffers;
-    for (int i = 0; i < steps; ++i) buffers.push_back(std::make_unique<StaticBuffers>(max_bs, max_bs, heads));
-    cudaGraphExec_t exec = nullptr;
-    if (graph_mode) draft.init_cuda_graph_state(max_bs, max_bs);
+    for (int split_keys : {0, 256}) {  // 256: the deterministic mode on its split schedule
+      SCOPED_TRACE(std::string(graph_mode ? "graph" : "eager") + (split_keys ? ", deterministic split" : ""));
+      std::mt19937_64 rng(graph_mode ? 71 : 72);
+      Pool pool(page_size, 2 * max_bs * (max_len / page_size), max_len, 2 * bs, DType::kBF16, rng());
+      BackendConfig config = make_config(pool, heads, true, DType::kBF16);
+      config.deterministic = split_keys > 0;
+      config.deterministic_split_keys = split_keys;
+      MultiStepDraftBackend draft(num_steps, config);
+      ASSERT_EQ(draft.num_step_backends(), steps);
+      CudaStream stream;
+      const LayerParams layer = make_layer(pool, true);
+      std::vector<std::unique_ptr<StaticBuffers>> buffers;
+      for (int i = 0; i < steps; ++i) buffers.push_back(std::make_unique<StaticBuffers>(max_bs, max_bs, heads));
+      cudaGraphExec_t exec = nullptr;
+      if (graph_mode) draft.init_cuda_graph_state(max_bs, max_bs);
 
-    const int rounds = graph_mode ? 2 : 1;
-    for (int round = 0; round < rounds; ++round) {
-      SCOPED_TRACE("round " + std::to_string(round));
-      const int first_slot = (round % 2) * bs;
-      for (int s = first_slot; s < first_slot + bs; ++s) pool.release(s);
-      const std::vector<int> cached = round == 0 ? std::vector<int>{12, 0, 63, 200}
-                                                 : std::vector<int>{301, 7, 16, 90};
-      std::vector<AbsorbedBatch> step_batches;
-      for (int i = 0; i < steps; ++i) {
-        std::vector<Request> requests;
-        for (int b = 0; b < bs; ++b) requests.push_back({first_slot + b, cached[size_t(b)] + i, 1});
-        // Step 0 fills the cached tokens; step i > 0 sees the draft tokens of steps < i.
-        step_batches.push_back(make_absorbed_batch(pool, ForwardMode::kDecode, requests, heads,
-                                                   DType::kInt64, rng, i == 0, DType::kBF16));
-      }
-      pool.upload();
-      for (AbsorbedBatch& b : step_batches) b.upload();
-      // The engine hands every step the same batch: step 0's request indices and seq_lens.
-      AbsorbedBatch& first = step_batches.front();
-      const auto step_batch = [&](int i) {
-        ForwardBatch f = graph_mode ? buffers[size_t(i)]->batch(ForwardMode::kDecode, bs)
-                                    : step_batches[size_t(i)].batch(true, false);
-        f.req_pool_indices = graph_mode ? buffers[0]->rpi.view() : first.d_rpi.view();
-        f.seq_lens = graph_mode ? buffers[0]->seq.view() : first.d_seq.view();
-        return f;
-      };
-
-      if (graph_mode) {
-        for (int i = 0; i < steps; ++i) buffers[size_t(i)]->load(step_batches[size_t(i)], pool.num_slots, max_len);
-        for (int i = 0; i < steps; ++i) buffers[size_t(i)]->poison(raw(stream));
-        if (round == 0) {
-          draft.init_forward_metadata_capture_cuda_graph(bs, bs, buffers[0]->rpi.view(), buffers[0]->seq.view(),
-                                                         stream.get());
-          exec = capture_graph(raw(stream), [&](Stream s) {
-            for (int i = 0; i < steps; ++i)
-              draft.step(i).forward_decode(step_batch(i), layer, buffers[size_t(i)]->args(bs), s);
-          });
-          ASSERT_NE(exec, nullptr);
-        } else {
-          draft.init_forward_metadata_replay_cuda_graph(bs, buffers[0]->rpi.view(), buffers[0]->seq.view(),
-                                                        stream.get());
+      const int rounds = graph_mode ? 2 : 1;
+      for (int round = 0; round < rounds; ++round) {
+        SCOPED_TRACE("round " + std::to_string(round));
+        const int first_slot = (round % 2) * bs;
+        for (int s = first_slot; s < first_slot + bs; ++s) pool.release(s);
+        const std::vector<int> cached = round == 0 ? std::vector<int>{12, 0, 63, 200}
+                                                   : std::vector<int>{301, 7, 16, 90};
+        std::vector<AbsorbedBatch> step_batches;
+        for (int i = 0; i < steps; ++i) {
+          std::vector<Request> requests;
+          for (int b = 0; b < bs; ++b) requests.push_back({first_slot + b, cached[size_t(b)] + i, 1});
+          // Step 0 fills the cached tokens; step i > 0 sees the draft tokens of steps < i.
+          step_batches.push_back(make_absorbed_batch(pool, ForwardMode::kDecode, requests, heads,
+                                                     DType::kInt64, rng, i == 0, DType::kBF16));
         }
-        EXPECT_EQ(draft.step(0).plan().block_table.data, draft.step(steps - 1).plan().block_table.data);
-        MLA_TEST_CUDA(cudaGraphLaunch(exec, raw(stream)));
-      } else {
-        ForwardBatch plan_batch = first.batch(true, true);
-        draft.init_forward_metadata(plan_batch, stream.get());
-        EXPECT_EQ(draft.step(0).workspace(), draft.step(steps - 1).workspace());
-        for (int i = 0; i < steps; ++i)
-          draft.step(i).forward_decode(step_batch(i), layer, step_batches[size_t(i)].args(true), stream.get());
-      }
-      MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
-      for (AbsorbedBatch& b : step_batches) mirror_save(pool, b.k_nope, b.k_pe, b.out_cache_loc);
-      EXPECT_TRUE(bitwise_equal(pool.d_cache.download(), pool.cache)) << "cache after the draft steps";
+        pool.upload();
+        for (AbsorbedBatch& b : step_batches) b.upload();
+        // The engine hands every step the same batch: step 0's request indices and seq_lens.
+        AbsorbedBatch& first = step_batches.front();
+        const auto step_batch = [&](int i) {
+          ForwardBatch f = graph_mode ? buffers[size_t(i)]->batch(ForwardMode::kDecode, bs)
+                                      : step_batches[size_t(i)].batch(true, false);
+          f.req_pool_indices = graph_mode ? buffers[0]->rpi.view() : first.d_rpi.view();
+          f.seq_lens = graph_mode ? buffers[0]->seq.view() : first.d_seq.view();
+          return f;
+        };
 
-      for (int i = 0; i < steps; ++i) {
-        SCOPED_TRACE("step " + std::to_string(i));
-        AbsorbedBatch& b = step_batches[size_t(i)];
-        const HostTensor out = graph_mode ? buffers[size_t(i)]->out.download(bs) : b.d_out.download();
-        const HostTensor lse = graph_mode ? buffers[size_t(i)]->lse.download(bs) : b.d_lse.download();
-        if (!graph_mode) EXPECT_EQ(draft.step(i).plan().kv_lens.shape[0], bs);
-        expect_close(out, lse, b.reference(pool), "draft step vs float64 naive");
-
-        // An independent backend planned for this step's own lengths (cached + i + 1).
-        Backend independent(config);
-        b.d_out = DeviceCopy(nan_tensor(DType::kBF16, {bs, heads, kKvLoraRank}));
-        b.d_lse = DeviceCopy(nan_tensor(DType::kFP32, {bs, heads}));
-        const ForwardBatch own = b.batch(true, i % 2 == 0);
-        independent.init_forward_metadata(own, stream.get());
-        independent.forward_decode(own, layer, b.args(true, false), stream.get());
+        if (graph_mode) {
+          for (int i = 0; i < steps; ++i) buffers[size_t(i)]->load(step_batches[size_t(i)], pool.num_slots, max_len);
+          for (int i = 0; i < steps; ++i) buffers[size_t(i)]->poison(raw(stream));
+          if (round == 0) {
+            draft.init_forward_metadata_capture_cuda_graph(bs, bs, buffers[0]->rpi.view(), buffers[0]->seq.view(),
+                                                           stream.get());
+            exec = capture_graph(raw(stream), [&](Stream s) {
+              for (int i = 0; i < steps; ++i)
+                draft.step(i).forward_decode(step_batch(i), layer, buffers[size_t(i)]->args(bs), s);
+            });
+            ASSERT_NE(exec, nullptr);
+          } else {
+            draft.init_forward_metadata_replay_cuda_graph(bs, buffers[0]->rpi.view(), buffers[0]->seq.view(),
+                                                          stream.get());
+          }
+          EXPECT_EQ(draft.step(0).plan().block_table.data, draft.step(steps - 1).plan().block_table.data);
+          MLA_TEST_CUDA(cudaGraphLaunch(exec, raw(stream)));
+        } else {
+          ForwardBatch plan_batch = first.batch(true, true);
+          draft.init_forward_metadata(plan_batch, stream.get());
+          EXPECT_EQ(draft.step(0).workspace(), draft.step(steps - 1).workspace());
+          for (int i = 0; i < steps; ++i)
+            draft.step(i).forward_decode(step_batch(i), layer, step_batches[size_t(i)].args(true), stream.get());
+        }
         MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
-        EXPECT_TRUE(bitwise_equal(out, b.d_out.download())) << "draft step vs independent backend: out";
-        EXPECT_TRUE(bitwise_equal(lse, b.d_lse.download())) << "draft step vs independent backend: lse";
+        for (AbsorbedBatch& b : step_batches) mirror_save(pool, b.k_nope, b.k_pe, b.out_cache_loc);
+        EXPECT_TRUE(bitwise_equal(pool.d_cache.download(), pool.cache)) << "cache after the draft steps";
+
+        for (int i = 0; i < steps; ++i) {
+          SCOPED_TRACE("step " + std::to_string(i));
+          AbsorbedBatch& b = step_batches[size_t(i)];
+          const HostTensor out = graph_mode ? buffers[size_t(i)]->out.download(bs) : b.d_out.download();
+          const HostTensor lse = graph_mode ? buffers[size_t(i)]->lse.download(bs) : b.d_lse.download();
+          if (!graph_mode) EXPECT_EQ(draft.step(i).plan().kv_lens.shape[0], bs);
+          expect_close(out, lse, b.reference(pool), "draft step vs float64 naive");
+
+          // An independent backend planned for this step's own lengths (cached + i + 1).
+          Backend independent(config);
+          b.d_out = DeviceCopy(nan_tensor(DType::kBF16, {bs, heads, kKvLoraRank}));
+          b.d_lse = DeviceCopy(nan_tensor(DType::kFP32, {bs, heads}));
+          const ForwardBatch own = b.batch(true, i % 2 == 0);
+          independent.init_forward_metadata(own, stream.get());
+          independent.forward_decode(own, layer, b.args(true, false), stream.get());
+          MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+          EXPECT_TRUE(bitwise_equal(out, b.d_out.download())) << "draft step vs independent backend: out";
+          EXPECT_TRUE(bitwise_equal(lse, b.d_lse.download())) << "draft step vs independent backend: lse";
+        }
       }
+      if (exec) MLA_TEST_CUDA(cudaGraphExecDestroy(exec));
     }
-    if (exec) MLA_TEST_CUDA(cudaGraphExecDestroy(exec));
   }
 }
 
