@@ -34,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/cuda_ops.hpp"
 #include "gpu_util.hpp"
 #include "mla/ops.hpp"
 #include "mla/schedule.hpp"
@@ -462,6 +463,54 @@ TEST(GpuDecode, AllPageSizes) {
     DecodeCase c = fixed(16, s, {1, 37, s, 2 * s + 1, 300, 64});
     c.seed = uint64_t(s);
     check_case(c, /*both_modes=*/true);
+  }
+}
+
+// The portable kernel on GPUs whose blocks get less shared memory than two key stages need,
+// emulated on this one: an A100's limit (166,912 bytes) runs every row-tile class with one
+// stage (16-bit and fp8 caches, with and without a schedule, the deterministic mode's 64-row
+// tiles); an sm_86 / sm_89 limit (101,376) runs 16-row tiles and refuses wider ones by name.
+struct SharedMemoryLimit {
+  explicit SharedMemoryLimit(size_t bytes) { cuda::set_decode_shared_memory_limit(bytes); }
+  ~SharedMemoryLimit() { cuda::set_decode_shared_memory_limit(0); }
+};
+
+TEST(GpuDecode, OneStageWhereSharedMemoryIsShort) {
+  MLA_REQUIRE_GPU();
+  {
+    const SharedMemoryLimit a100(166912);
+    for (int heads : {16, 32, 128}) {
+      for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+        DecodeCase c = fixed(heads, 16, {0, 1, 63, 64, 65, 200, 1031});
+        c.kernel = DecodeKernel::kPortable;
+        c.kv_dtype = c.q_dtype = kv;
+        c.k_scale = kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
+        c.seed = uint64_t(29000 + heads + int(kv));
+        SCOPED_TRACE("A100 limit");
+        check_case(c, /*both_modes=*/true);
+      }
+    }
+    DecodeCase d = fixed(16, 64, {1, 700, 64, 0, 129}, 2);
+    d.kernel = DecodeKernel::kPortable;
+    d.use_schedule = false;
+    d.deterministic = true;
+    d.seed = 29500;
+    check_case(d);
+  }
+  {
+    const SharedMemoryLimit ada(101376);
+    DecodeCase c = fixed(16, 16, {5, 300, 64});
+    c.kernel = DecodeKernel::kPortable;
+    c.seed = 29600;
+    check_case(c, /*both_modes=*/true);
+    DecodeCase wide = fixed(32, 16, {5, 300});
+    wide.kernel = DecodeKernel::kPortable;
+    const DecodeData d = make_data(wide);
+    DeviceData dev(d);
+    MlaDecodeArgs a = dev.args(d);
+    EXPECT_TRUE(throws_error([&] { mla_decode(a); },
+                             {"mla_decode", "32-row tiles needs 116736 bytes of shared memory",
+                              "(one stage; 189440 with two)", "allows 101376"}));
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -341,4 +342,18 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   if (p.has_schedule) launch_combine_kernel(p, cs);
 }
 
+}  // namespace mla::cuda
+
+namespace mla::cuda {
+namespace {
+std::atomic<size_t> g_shared_memory_limit{0};  // 0: the device's
+}  // namespace
+
+size_t decode_shared_memory_limit(size_t device_limit) {
+  const size_t test_limit = g_shared_memory_limit.load(std::memory_order_relaxed);
+  return test_limit > 0 && test_limit < device_limit ? test_limit : device_limit;
+}
+void set_decode_shared_memory_limit(size_t bytes) {
+  g_shared_memory_limit.store(bytes, std::memory_order_relaxed);
+}
 }  // namespace mla::cuda

@@ -24,7 +24,10 @@
 // Warps whose 16 rows are all past the tile's valid rows skip their tensor-core work.
 //
 // Shared memory (bytes, kBlockM = 64, bf16): Q 73,728 | K 2 x 73,728 (fp8: K 73,728 + raw
-// 2 x 36,864) | P 8,192 | row max/sum 1,024 = 230,400 (the sm_90 limit is 232,448). Rows of 576
+// 2 x 36,864) | P 8,192 | row max/sum 1,024 = 230,400 (the sm_90 limit is 232,448). Where a
+// block gets less (A100: 166,912; sm_86 / sm_89: 101,376), one stage of K (fp8: of raw tiles):
+// 159,744 / 116,736 / 95,232 bytes for 64 / 32 / 16 rows; the next tile then loads after this
+// one is computed (fp8: after it is converted). Rows of 576
 // values (72 chunks of 16 bytes) are XOR-swizzled, chunk' = chunk ^ (row % 8), so that the 8
 // row addresses of every ldmatrix fall in 8 distinct bank groups; P rows (8 chunks) likewise.
 //
@@ -48,14 +51,18 @@
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/warp_mma.cuh"
 #include "cuda/cuda_check.hpp"
+#include "cuda/cuda_ops.hpp"
 #include "cuda/decode/decode_device.cuh"
 #include "cuda/decode/decode_params.cuh"
 
 namespace mla::cuda::decode {
 
-template <typename T, int kRowTiles>
+// kStages: key tiles in shared memory, 2 (the next tile loads while this one is computed) or 1
+// (GPUs whose blocks get less shared memory than two stages need: A100, sm_86 / sm_89).
+template <typename T, int kRowTiles, int kStages = 2>
 struct DecodeTraits {
   static_assert(kRowTiles == 1 || kRowTiles == 2 || kRowTiles == 4);
+  static_assert(kStages == 1 || kStages == 2);
   static constexpr int kBlockM = 16 * kRowTiles;
   static constexpr int kWarpsM = kRowTiles;                    // warps along rows
   static constexpr int kWarpsN = (kThreads / 32) / kRowTiles;  // warps along keys (S), columns (O)
@@ -67,12 +74,12 @@ struct DecodeTraits {
 
   struct Fp8Tiles {
     T k[kBlockN * kHeadDim];                // (64, 576) converted tile, swizzled
-    uint8_t raw[2][kBlockN * kHeadDim];     // (64, 576) fp8 as loaded, double buffered
+    uint8_t raw[kStages][kBlockN * kHeadDim];  // (64, 576) fp8 as loaded, one a stage
   };
   struct SharedStorage {
     T q[kBlockM * kHeadDim];                // (kBlockM, 576), swizzled
     union {
-      T k[2][kBlockN * kHeadDim];           // (64, 576) x 2 stages, swizzled
+      T k[kStages][kBlockN * kHeadDim];     // (64, 576) a stage, swizzled
       Fp8Tiles fp8;
     } kv;
     T p[kBlockM * kBlockN];                 // (kBlockM, 64), swizzled
@@ -131,9 +138,9 @@ __device__ __forceinline__ float load_scalar(const void* base, int64_t index, bo
   }
 }
 
-template <typename T, int kRowTiles>
+template <typename T, int kRowTiles, int kStages>
 struct DecodeCta {
-  using Traits = DecodeTraits<T, kRowTiles>;
+  using Traits = DecodeTraits<T, kRowTiles, kStages>;
   using Smem = typename Traits::SharedStorage;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kWarpsM = Traits::kWarpsM;
@@ -344,19 +351,24 @@ struct DecodeCta {
 
     for (int t = 0; t < num_tiles; ++t) {
       const int key0 = kv_begin + t * kBlockN;
+      const bool has_next = t + 1 < num_tiles;
       cp_async_wait<0>();
       __syncthreads();  // tile t (and Q) visible; every warp is done with tile t - 1
-      if (t + 1 < num_tiles) {
+      if (kStages == 2 && has_next) {
         issue_tile((t + 1) & 1, item.request, key0 + kBlockN, kv_end);
         cp_async_commit();
       }
       const T* tile;
       if (p.kv_is_fp8) {
-        convert_fp8_tile(s.kv.fp8.raw[t & 1], s.kv.fp8.k);
+        convert_fp8_tile(s.kv.fp8.raw[t & (kStages - 1)], s.kv.fp8.k);
         __syncthreads();
+        if (kStages == 1 && has_next) {  // the raw stage is converted: the next tile may load
+          issue_tile(0, item.request, key0 + kBlockN, kv_end);
+          cp_async_commit();
+        }
         tile = s.kv.fp8.k;
       } else {
-        tile = s.kv.k[t & 1];
+        tile = s.kv.k[t & (kStages - 1)];
       }
 
       // S = Q K^T for this warp's rows and key slice.
@@ -423,6 +435,11 @@ struct DecodeCta {
       __syncthreads();  // P visible
 
       if (rows_live) accumulate_pv(tile, kv_end - key0, o);
+      if (kStages == 1 && !p.kv_is_fp8 && has_next) {
+        __syncthreads();  // one stage: every warp is done with this tile before the next loads
+        issue_tile(0, item.request, key0 + kBlockN, kv_end);
+        cp_async_commit();
+      }
     }
 
     // Row sums across the quad and the key slices.
@@ -478,9 +495,9 @@ struct DecodeCta {
   }
 };
 
-template <typename T, int kRowTiles>
+template <typename T, int kRowTiles, int kStages>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ DecodeParams p) {
-  using Cta = DecodeCta<T, kRowTiles>;
+  using Cta = DecodeCta<T, kRowTiles, kStages>;
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   Cta cta(p, *reinterpret_cast<typename Cta::Smem*>(smem_bytes));
   wait_for_prior_grids();  // the plan (and everything before it in the stream) is done
@@ -490,18 +507,30 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   for (int i = begin; i < end; ++i) cta.run_item(fetch_item(p, i, lane));
 }
 
-// Host launcher (instantiated in decode_bf16.cu / decode_fp16.cu).
+template <typename T, int kRowTiles, int kStages>
+void launch_stages(const DecodeParams& params, int grid, cudaStream_t stream) {
+  constexpr size_t kBytes = DecodeTraits<T, kRowTiles, kStages>::kSmemBytes;
+  opt_in_dynamic_smem<mla_decode_kernel<T, kRowTiles, kStages>>(int(kBytes));
+  launch_dependent(mla_decode_kernel<T, kRowTiles, kStages>, dim3(grid), dim3(kThreads), kBytes,
+                   stream, params);
+}
+
+// Host launcher (instantiated in decode_bf16.cu / decode_fp16.cu): two stages where the device
+// allows a block their shared memory, else one.
 template <typename T, int kRowTiles>
 void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream) {
-  using Traits = DecodeTraits<T, kRowTiles>;
   const DeviceInfo& info = current_device_info();
-  MLA_CHECK(Traits::kSmemBytes <= info.max_smem_per_block_optin, "mla_decode: the decode kernel for ",
-            Traits::kBlockM, "-row tiles needs ", Traits::kSmemBytes,
-            " bytes of shared memory per block, but device ", info.device, " allows ",
-            info.max_smem_per_block_optin);
-  opt_in_dynamic_smem<mla_decode_kernel<T, kRowTiles>>(int(Traits::kSmemBytes));
-  launch_dependent(mla_decode_kernel<T, kRowTiles>, dim3(grid), dim3(kThreads), Traits::kSmemBytes, stream,
-                   params);
+  const size_t limit = decode_shared_memory_limit(size_t(info.max_smem_per_block_optin));
+  using Two = DecodeTraits<T, kRowTiles, 2>;
+  using One = DecodeTraits<T, kRowTiles, 1>;
+  if (Two::kSmemBytes <= limit) {
+    launch_stages<T, kRowTiles, 2>(params, grid, stream);
+  } else {
+    MLA_CHECK(One::kSmemBytes <= limit, "mla_decode: the decode kernel for ", One::kBlockM,
+              "-row tiles needs ", One::kSmemBytes, " bytes of shared memory per block (one stage; ",
+              Two::kSmemBytes, " with two), but device ", info.device, " allows ", limit);
+    launch_stages<T, kRowTiles, 1>(params, grid, stream);
+  }
 }
 
 }  // namespace mla::cuda::decode
