@@ -5,8 +5,9 @@
 //   rows   kBlockM (16, 32 or 64) rows (token i, head h) of ONE request, flattened r = i * H + h;
 //          all of them share every key (MQA), so each key tile is read once for all heads.
 //   Q      (kBlockM, 576) in shared memory for the whole item.
-//   loop over key tiles of kBlockN = 64 cache rows (cp.async, double buffered; an fp8 cache is
-//   staged raw and converted to the compute dtype in shared memory):
+//   loop over key tiles of kBlockN = 64 cache rows (cp.async, double buffered or, with less
+//   shared memory, one stage; an fp8 cache is staged raw and converted to the compute dtype in
+//   shared memory):
 //     S = Q K^T          warp (wm, wn) computes rows [16 wm, +16) x keys [wn * 64/kWarpsN, ...)
 //     mask               causal limit per row, key range of the item; scaled to the exp2 domain
 //     online softmax     row max across the kWarpsN key slices through shared memory; P
@@ -23,11 +24,12 @@
 //   kBlockM 64: 4 x 2 warps, S slice 32 keys, O slice 16 x 256 (128 fp32 accumulators / thread)
 // Warps whose 16 rows are all past the tile's valid rows skip their tensor-core work.
 //
-// Shared memory (bytes, kBlockM = 64, bf16): Q 73,728 | K 2 x 73,728 (fp8: K 73,728 + raw
-// 2 x 36,864) | P 8,192 | row max/sum 1,024 = 230,400 (the sm_90 limit is 232,448). Where a
-// block gets less (A100: 166,912; sm_86 / sm_89: 101,376), one stage of K (fp8: of raw tiles):
-// 159,744 / 116,736 / 95,232 bytes for 64 / 32 / 16 rows; the next tile then loads after this
-// one is computed (fp8: after it is converted). Rows of 576
+// Shared memory (bytes, kBlockM = 64, bf16): Q 73,728 | P 8,192 | row max/sum 1,024 | K 2 x
+// 73,728 (fp8: K 73,728 + raw 2 x 36,864) = 230,400 (the sm_90 limit is 232,448). Where a block
+// gets less (A100: 166,912; sm_86 / sm_89: 101,376), one stage of K (fp8: one raw tile besides
+// the converted one): 156,672 / 115,712 / 95,232 bytes for 64 / 32 / 16 rows (fp8: 193,536 /
+// 152,576 / 132,096); the next tile then loads after this one is computed (fp8: after it is
+// converted). Rows of 576
 // values (72 chunks of 16 bytes) are XOR-swizzled, chunk' = chunk ^ (row % 8), so that the 8
 // row addresses of every ldmatrix fall in 8 distinct bank groups; P rows (8 chunks) likewise.
 //
@@ -44,7 +46,9 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -76,17 +80,24 @@ struct DecodeTraits {
     T k[kBlockN * kHeadDim];                // (64, 576) converted tile, swizzled
     uint8_t raw[kStages][kBlockN * kHeadDim];  // (64, 576) fp8 as loaded, one a stage
   };
+  // The key tiles last, so that a block gets only the bytes its cache dtype uses of them (one
+  // fp8 stage needs a converted tile besides the raw one: more than one 16-bit stage).
   struct SharedStorage {
     T q[kBlockM * kHeadDim];                // (kBlockM, 576), swizzled
+    T p[kBlockM * kBlockN];                 // (kBlockM, 64), swizzled
+    float row_max[kWarpsN][kBlockM];        // per key slice, this tile
+    float row_sum[kWarpsN][kBlockM];        // per key slice, end of item
     union {
       T k[kStages][kBlockN * kHeadDim];     // (64, 576) a stage, swizzled
       Fp8Tiles fp8;
     } kv;
-    T p[kBlockM * kBlockN];                 // (kBlockM, 64), swizzled
-    float row_max[kWarpsN][kBlockM];        // per key slice, this tile
-    float row_sum[kWarpsN][kBlockM];        // per key slice, end of item
   };
-  static constexpr size_t kSmemBytes = sizeof(SharedStorage);
+  static_assert(offsetof(SharedStorage, kv) % 128 == 0, "tiles start on a 128-byte line");
+  // Shared memory a block takes for a 16-bit or an fp8 cache.
+  static constexpr size_t smem_bytes(bool fp8) {
+    return offsetof(SharedStorage, kv) +
+           (fp8 ? sizeof(Fp8Tiles) : size_t(kStages) * kBlockN * kHeadDim * sizeof(T));
+  }
 };
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a swizzled (rows, 576) tile.
@@ -508,10 +519,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 }
 
 template <typename T, int kRowTiles, int kStages>
-void launch_stages(const DecodeParams& params, int grid, cudaStream_t stream) {
-  constexpr size_t kBytes = DecodeTraits<T, kRowTiles, kStages>::kSmemBytes;
-  opt_in_dynamic_smem<mla_decode_kernel<T, kRowTiles, kStages>>(int(kBytes));
-  launch_dependent(mla_decode_kernel<T, kRowTiles, kStages>, dim3(grid), dim3(kThreads), kBytes,
+void launch_stages(const DecodeParams& params, int grid, size_t bytes, cudaStream_t stream) {
+  using Traits = DecodeTraits<T, kRowTiles, kStages>;
+  // The kernel's opt-in covers both cache dtypes (set once per device): all of SharedStorage,
+  // or all the device allows where that is less (one fp8 stage of 64 rows on an A100).
+  opt_in_dynamic_smem<mla_decode_kernel<T, kRowTiles, kStages>>(int(std::min(
+      sizeof(typename Traits::SharedStorage), size_t(current_device_info().max_smem_per_block_optin))));
+  launch_dependent(mla_decode_kernel<T, kRowTiles, kStages>, dim3(grid), dim3(kThreads), bytes,
                    stream, params);
 }
 
@@ -521,15 +535,17 @@ template <typename T, int kRowTiles>
 void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream) {
   const DeviceInfo& info = current_device_info();
   const size_t limit = decode_shared_memory_limit(size_t(info.max_smem_per_block_optin));
-  using Two = DecodeTraits<T, kRowTiles, 2>;
-  using One = DecodeTraits<T, kRowTiles, 1>;
-  if (Two::kSmemBytes <= limit) {
-    launch_stages<T, kRowTiles, 2>(params, grid, stream);
+  const bool fp8 = params.kv_is_fp8 != 0;
+  const size_t two = DecodeTraits<T, kRowTiles, 2>::smem_bytes(fp8);
+  const size_t one = DecodeTraits<T, kRowTiles, 1>::smem_bytes(fp8);
+  if (two <= limit) {
+    launch_stages<T, kRowTiles, 2>(params, grid, two, stream);
   } else {
-    MLA_CHECK(One::kSmemBytes <= limit, "mla_decode: the decode kernel for ", One::kBlockM,
-              "-row tiles needs ", One::kSmemBytes, " bytes of shared memory per block (one stage; ",
-              Two::kSmemBytes, " with two), but device ", info.device, " allows ", limit);
-    launch_stages<T, kRowTiles, 1>(params, grid, stream);
+    MLA_CHECK(one <= limit, "mla_decode: the decode kernel for ", 16 * kRowTiles, "-row tiles ",
+              fp8 ? "and an fp8 cache " : "", "needs ", one,
+              " bytes of shared memory per block (one stage; ", two, " with two), but device ",
+              info.device, " allows ", limit);
+    launch_stages<T, kRowTiles, 1>(params, grid, one, stream);
   }
 }
 
