@@ -590,7 +590,14 @@ void Backend::Impl::attach_schedule(const char* op, Plan& p, ScheduleSlot& slot,
               slot.ready ? slot.schedule.max_batch : 0, " requests of ",
               slot.ready ? slot.schedule.max_q_len : 0, " queries, the batch needs ", p.batch_size,
               " of ", q_rows, " (init_cuda_graph_state sizes it)");
-    reserve_schedule(slot, p.batch_size, q_rows, stream);
+    // A balanced schedule (tens of MB) grows by half again at least, so that a batch growing a
+    // request a step does not reallocate (and zero) it every step; a deterministic one, whose
+    // partial results scale with the batch at the full context, to the batch.
+    const int batch = slot.ready && !config.deterministic && slot.schedule.max_batch < p.batch_size
+                          ? std::max<int>(p.batch_size,
+                                          std::min<int64_t>(INT32_MAX, int64_t(slot.schedule.max_batch) * 3 / 2))
+                          : p.batch_size;
+    reserve_schedule(slot, batch, q_rows, stream);
   }
   plan_decode(slot.schedule, p.kv_lens, p.cu_q_lens, p.q_len, p.max_q_len, stream);
   p.schedule = &slot.schedule;

@@ -649,6 +649,36 @@ TEST(GpuBackend, CheckMetadataReportsLengthsPastTheBlockTable) {
   MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
 }
 
+// The eager split-KV schedule grows by half again at least (a batch that grows a request a step
+// does not reallocate it every step); a deterministic one grows to the batch.
+TEST(GpuBackend, EagerScheduleGrowsByHalfAgain) {
+  MLA_REQUIRE_GPU();
+  for (const bool deterministic : {false, true}) {
+    SCOPED_TRACE(deterministic ? "deterministic split" : "balanced");
+    std::mt19937_64 rng(deterministic ? 36 : 35);
+    Pool pool(64, 48, 512, 24, DType::kBF16, rng());
+    BackendConfig config = make_config(pool, 16, true, DType::kBF16);
+    config.deterministic = deterministic;
+    config.deterministic_split_keys = deterministic ? 256 : 0;
+    Backend gpu(config);
+    CudaStream stream;
+    const std::vector<std::pair<int, int>> steps =
+        deterministic ? std::vector<std::pair<int, int>>{{10, 10}, {11, 11}, {16, 16}}
+                      : std::vector<std::pair<int, int>>{{10, 10}, {11, 15}, {15, 15}, {16, 22}};
+    for (const auto& [bs, capacity] : steps) {
+      std::vector<Request> requests;
+      for (int b = 0; b < bs; ++b) requests.push_back({b, 100 + b, 1});
+      AbsorbedBatch batch = make_absorbed_batch(pool, ForwardMode::kDecode, requests, 16,
+                                                DType::kInt32, rng);
+      pool.upload();
+      batch.upload();
+      gpu.init_forward_metadata(batch.batch(true, true), stream.get());
+      ASSERT_NE(gpu.plan().schedule, nullptr);
+      EXPECT_EQ(gpu.plan().schedule->max_batch, capacity) << "a batch of " << bs;
+    }
+  }
+}
+
 // A 16k-token request next to short ones: the GPU scheduler splits it over several CTAs.
 TEST(GpuBackend, LongRequestIsSplitAndMatchesCpuBackend) {
   MLA_REQUIRE_GPU();
