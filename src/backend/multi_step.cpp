@@ -52,11 +52,16 @@ void MultiStepDraftBackend::Impl::build_and_install(const char* op, const char* 
   // its keys read as zeros in every step.
   if (seq_lens.device.type == DeviceType::kCPU) {
     const int64_t last_offset = num_step_backends - 1;
+    const int64_t table_tokens = block_table.shape[1] * int64_t(config.page_size);
     for (int b = 0; b < bs; ++b) {
       const int64_t len = cpu::load_index(seq_lens, b);
       MLA_CHECK(len >= 0 && len + last_offset <= max_context_len(), op, ": ", seq_lens_name, "[", b,
                 "] = ", len, " plus ", last_offset, " draft steps must be in [0, max_context_len = ",
                 max_context_len(), "]");
+      // (the table is narrower than the context only when planned from batch.seq_lens_cpu)
+      MLA_CHECK(len + last_offset <= table_tokens, op, ": ", seq_lens_name, "[", b, "] = ", len,
+                " plus ", last_offset, " draft steps does not fit the block table of ", table_tokens,
+                " tokens a request planned from batch.seq_lens_cpu (stale?)");
     }
   }
   for (int i = 0; i < num_step_backends; ++i)

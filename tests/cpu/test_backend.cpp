@@ -1302,6 +1302,24 @@ TEST(BackendCudaGraph, FailedDraftGraphStateKeepsThePreviousOne) {
   EXPECT_EQ(step1[1], 40 + 2);
 }
 
+// The draft backend's host lengths are a bound its block table is planned from: device lengths
+// past them are reported under the engine's name (they reached the kernel's checks as kv_lens).
+TEST(BackendErrors, DraftStaleHostLengthsNameTheArgument) {
+  std::mt19937_64 rng(78);
+  const int heads = 4, num_steps = 3;
+  Pool pool(64, 16, 512, 4, DType::kFP16, 8);
+  std::vector<Request> base = {{0, 30, 1}, {1, 200, 1}};
+  for (const Request& r : base) pool.reserve(r.slot, r.cached + num_steps);
+  AbsorbedProblem p = make_absorbed_problem(pool, base, heads, DType::kFP16, rng);
+  MultiStepDraftBackend draft(num_steps, make_config(pool, heads));
+  ForwardBatch batch = p.batch(ForwardMode::kDecode);
+  const std::vector<int32_t> stale = {31, 100};
+  batch.seq_lens_cpu = stale;
+  EXPECT_TRUE(throws_error([&] { draft.init_forward_metadata(batch); },
+                           {"MultiStepDraftBackend::init_forward_metadata", "batch.seq_lens[1] = ",
+                            "draft steps does not fit the block table", "(stale?)"}));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad input names the argument
 
