@@ -162,8 +162,8 @@ void Backend::Impl::validate_config() {
   MLA_CHECK(max_context_len >= 1 && max_context_len <= c.req_to_token.shape[1], op,
             ": config.max_context_len must be in 1..req_to_token.shape[1] = ",
             c.req_to_token.shape[1], " (0 = that), got ", c.max_context_len);
-  MLA_CHECK(max_context_len <= INT32_MAX, op, ": config.max_context_len must fit in int32, got ",
-            max_context_len);
+  MLA_CHECK(max_context_len <= kMaxKeysPerRequest, op, ": config.max_context_len must be at most ",
+            kMaxKeysPerRequest, " (the most keys mla_decode takes a request), got ", max_context_len);
   MLA_CHECK(c.prefix_chunk_capacity >= 1 && c.prefix_chunk_capacity <= INT32_MAX, op,
             ": config.prefix_chunk_capacity must be in [1, 2^31 - 1], got ", c.prefix_chunk_capacity);
   MLA_CHECK(c.num_draft_tokens >= 0, op, ": config.num_draft_tokens must be >= 0, got ",

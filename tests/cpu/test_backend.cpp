@@ -1346,6 +1346,13 @@ TEST(BackendErrors, BadConfigNamesTheField) {
   EXPECT_TRUE(bad([](BackendConfig& c) { c.deterministic_split_keys = 100; },
                   {"config.deterministic_split_keys", "multiple of 64"}));
   EXPECT_TRUE(bad([](BackendConfig& c) { c.deterministic_split_keys = -64; }, {"config.deterministic_split_keys"}));
+  EXPECT_TRUE(bad(
+      [](BackendConfig& c) {  // a view of the shape alone: validation reads no element
+        c.req_to_token.shape[1] = INT32_MAX;
+        c.req_to_token.stride[0] = INT32_MAX;
+        c.max_context_len = kMaxKeysPerRequest + 1;
+      },
+      {"config.max_context_len", "at most 2147483392"}));
   EXPECT_TRUE(bad([](BackendConfig& c) { c.device = Device::cuda(0); }, {"config.req_to_token", "cuda:0"}));
   EXPECT_TRUE(throws_error([] { MultiStepDraftBackend d(0, BackendConfig{}); }, {"num_steps"}));
   EXPECT_TRUE(bad([](BackendConfig& c) { c.prefix_chunk_capacity = int64_t(1) << 40; },
