@@ -467,10 +467,10 @@ TEST(GpuDecode, AllPageSizes) {
 }
 
 // The portable kernel on GPUs whose blocks get less shared memory than two key stages need,
-// emulated on this one. An A100's limit (166,912 bytes) runs every row-tile class with one stage
-// for a 16-bit cache (with and without a schedule, the deterministic mode's 64-row tiles) and
-// 16- and 32-row tiles for an fp8 cache (one raw stage besides the converted tile); an sm_86 /
-// sm_89 limit (101,376) runs 16-row tiles of a 16-bit cache. Wider ones are refused by name.
+// emulated on this one. An A100's limit (166,912 bytes) runs every row-tile class with one stage,
+// 16-bit and fp8 caches (fp8 64-row tiles through registers, without a raw stage), with and
+// without a schedule, and the deterministic mode's 64-row tiles; an sm_86 / sm_89 limit
+// (101,376) runs 16-row tiles (fp8 through registers) and refuses wider ones by name.
 struct SharedMemoryLimit {
   explicit SharedMemoryLimit(size_t bytes) { cuda::set_decode_shared_memory_limit(bytes); }
   ~SharedMemoryLimit() { cuda::set_decode_shared_memory_limit(0); }
@@ -485,26 +485,22 @@ struct SharedMemoryLimit {
   return throws_error([&] { mla_decode(a); }, fragments);
 }
 
+DecodeCase portable_case(int heads, DType kv, uint64_t seed) {
+  DecodeCase c = fixed(heads, 16, {0, 1, 63, 64, 65, 200, 1031});
+  c.kernel = DecodeKernel::kPortable;
+  c.kv_dtype = c.q_dtype = kv;
+  c.k_scale = kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
+  c.seed = seed;
+  return c;
+}
+
 TEST(GpuDecode, OneStageWhereSharedMemoryIsShort) {
   MLA_REQUIRE_GPU();
   {
     const SharedMemoryLimit a100(166912);
-    for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
-      for (int heads : {16, 32, 128}) {
-        DecodeCase c = fixed(heads, 16, {0, 1, 63, 64, 65, 200, 1031});
-        c.kernel = DecodeKernel::kPortable;
-        c.kv_dtype = c.q_dtype = kv;
-        c.k_scale = kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
-        c.seed = uint64_t(29000 + heads + int(kv));
-        SCOPED_TRACE("A100 limit");
-        if (kv == DType::kFP8E4M3 && heads == 128) {
-          EXPECT_TRUE(refused(c, {"64-row tiles and an fp8 cache needs 193536 bytes",
-                                  "(one stage; 230400 with two)", "allows 166912"}));
-          continue;
-        }
-        check_case(c, /*both_modes=*/true);
-      }
-    }
+    SCOPED_TRACE("A100 limit");
+    for (DType kv : {DType::kBF16, DType::kFP8E4M3})
+      for (int heads : {16, 32, 128}) check_case(portable_case(heads, kv, uint64_t(29000 + heads + int(kv))), true);
     DecodeCase d = fixed(16, 64, {1, 700, 64, 0, 129}, 2);
     d.kernel = DecodeKernel::kPortable;
     d.use_schedule = false;
@@ -514,16 +510,13 @@ TEST(GpuDecode, OneStageWhereSharedMemoryIsShort) {
   }
   {
     const SharedMemoryLimit ada(101376);
-    DecodeCase c = fixed(16, 16, {5, 300, 64});
-    c.kernel = DecodeKernel::kPortable;
-    c.seed = 29600;
-    check_case(c, /*both_modes=*/true);
-    EXPECT_TRUE(refused(fixed(32, 16, {5, 300}),
-                        {"mla_decode", "32-row tiles needs 115712 bytes of shared memory",
-                         "(one stage; 189440 with two)", "allows 101376"}));
-    DecodeCase f = fixed(16, 16, {5, 300});
-    f.kv_dtype = f.q_dtype = DType::kFP8E4M3;
-    EXPECT_TRUE(refused(f, {"16-row tiles and an fp8 cache needs 132096 bytes"}));
+    SCOPED_TRACE("sm_89 limit");
+    for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+      check_case(portable_case(16, kv, uint64_t(29600 + int(kv))), true);
+      EXPECT_TRUE(refused(portable_case(32, kv, 29700),
+                          {"mla_decode", "32-row tiles needs 115712 bytes of shared memory",
+                           "(one stage; 189440 with two)", "allows 101376"}));
+    }
   }
 }
 

@@ -29,7 +29,8 @@
 // gets less (A100: 166,912; sm_86 / sm_89: 101,376), one stage of K (fp8: one raw tile besides
 // the converted one): 156,672 / 115,712 / 95,232 bytes for 64 / 32 / 16 rows (fp8: 193,536 /
 // 152,576 / 132,096); the next tile then loads after this one is computed (fp8: after it is
-// converted). Rows of 576
+// converted). Where an fp8 raw stage does not fit either, its tiles go through registers into
+// the one stage (the 16-bit sizes), their loads not overlapped. Rows of 576
 // values (72 chunks of 16 bytes) are XOR-swizzled, chunk' = chunk ^ (row % 8), so that the 8
 // row addresses of every ldmatrix fall in 8 distinct bank groups; P rows (8 chunks) likewise.
 //
@@ -93,10 +94,12 @@ struct DecodeTraits {
     } kv;
   };
   static_assert(offsetof(SharedStorage, kv) % 128 == 0, "tiles start on a 128-byte line");
-  // Shared memory a block takes for a 16-bit or an fp8 cache.
-  static constexpr size_t smem_bytes(bool fp8) {
-    return offsetof(SharedStorage, kv) +
-           (fp8 ? sizeof(Fp8Tiles) : size_t(kStages) * kBlockN * kHeadDim * sizeof(T));
+  // Shared memory a block takes for a 16-bit or an fp8 cache (fp8_direct: converted through
+  // registers, one stage: no raw tile).
+  static constexpr size_t smem_bytes(bool fp8, bool fp8_direct = false) {
+    return offsetof(SharedStorage, kv) + (fp8 && !fp8_direct
+                                              ? sizeof(Fp8Tiles)
+                                              : size_t(kStages) * kBlockN * kHeadDim * sizeof(T));
   }
 };
 
@@ -273,6 +276,30 @@ struct DecodeCta {
     }
   }
 
+  // Keys [key0, key0 + 64) of an fp8 cache -> the compute dtype in `tile` (swizzled), through
+  // registers: the loads of a thread's row are all in flight, then converted and stored. For one
+  // stage without room for a raw tile (kv_fp8_direct); the load is not overlapped.
+  __device__ void load_fp8_tile_direct(T* tile, int request, int key0, int kv_end) {
+    const int sub = tid & 3;
+    const int row = tid >> 2;  // kThreads / 4 == kBlockN rows
+    const int64_t offset = key_row(request, key0 + row, kv_end);
+    const uint8_t* src = static_cast<const uint8_t*>(p.kv_cache) + (offset < 0 ? 0 : offset);
+    constexpr int kPerThread = kHeadDim / 16 / 4;  // 9 chunks of 16 fp8 values
+    uint4 v[kPerThread];
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i)
+      v[i] = offset >= 0 ? *reinterpret_cast<const uint4*>(src + (sub + 4 * i) * 16)
+                         : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int c = sub + 4 * i;
+      uint4 lo, hi;
+      fp8x16_to<T>(v[i], lo, hi);
+      *reinterpret_cast<uint4*>(tile + qk_offset(row, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(tile + qk_offset(row, 2 * c + 1)) = hi;
+    }
+  }
+
   __device__ void issue_tile(int stage, int request, int key0, int kv_end) {
     if (p.kv_is_fp8) load_k_tile_fp8(s.kv.fp8.raw[stage], request, key0, kv_end);
     else load_k_tile(s.kv.k[stage], request, key0, kv_end);
@@ -353,11 +380,14 @@ struct DecodeCta {
 #pragma unroll
     for (int f = 0; f < kColFrags; ++f) o[f][0] = o[f][1] = o[f][2] = o[f][3] = 0.0f;
 
+    // One stage, fp8 through registers: no raw stage, the tile converted on its way in.
+    const bool direct = kStages == 1 && p.kv_fp8_direct;
     __syncthreads();  // the previous item is done with shared memory
     if (num_tiles > 0) {
       load_q(g.q_start, row0, valid_rows);
-      issue_tile(0, item.request, kv_begin, kv_end);
+      if (!direct) issue_tile(0, item.request, kv_begin, kv_end);
       cp_async_commit();
+      if (direct) load_fp8_tile_direct(s.kv.k[0], item.request, kv_begin, kv_end);
     }
 
     for (int t = 0; t < num_tiles; ++t) {
@@ -370,7 +400,9 @@ struct DecodeCta {
         cp_async_commit();
       }
       const T* tile;
-      if (p.kv_is_fp8) {
+      if (direct) {
+        tile = s.kv.k[0];
+      } else if (p.kv_is_fp8) {
         convert_fp8_tile(s.kv.fp8.raw[t & (kStages - 1)], s.kv.fp8.k);
         __syncthreads();
         if (kStages == 1 && has_next) {  // the raw stage is converted: the next tile may load
@@ -446,10 +478,14 @@ struct DecodeCta {
       __syncthreads();  // P visible
 
       if (rows_live) accumulate_pv(tile, kv_end - key0, o);
-      if (kStages == 1 && !p.kv_is_fp8 && has_next) {
+      if (kStages == 1 && (direct || !p.kv_is_fp8) && has_next) {
         __syncthreads();  // one stage: every warp is done with this tile before the next loads
-        issue_tile(0, item.request, key0 + kBlockN, kv_end);
-        cp_async_commit();
+        if (direct) {
+          load_fp8_tile_direct(s.kv.k[0], item.request, key0 + kBlockN, kv_end);
+        } else {
+          issue_tile(0, item.request, key0 + kBlockN, kv_end);
+          cp_async_commit();
+        }
       }
     }
 
@@ -536,16 +572,22 @@ void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t str
   const DeviceInfo& info = current_device_info();
   const size_t limit = decode_shared_memory_limit(size_t(info.max_smem_per_block_optin));
   const bool fp8 = params.kv_is_fp8 != 0;
+  using One = DecodeTraits<T, kRowTiles, 1>;
   const size_t two = DecodeTraits<T, kRowTiles, 2>::smem_bytes(fp8);
-  const size_t one = DecodeTraits<T, kRowTiles, 1>::smem_bytes(fp8);
+  const size_t one = One::smem_bytes(fp8), one_direct = One::smem_bytes(fp8, /*fp8_direct=*/true);
+  DecodeParams p = params;
+  p.kv_fp8_direct = 0;
   if (two <= limit) {
-    launch_stages<T, kRowTiles, 2>(params, grid, two, stream);
+    launch_stages<T, kRowTiles, 2>(p, grid, two, stream);
+  } else if (one <= limit) {
+    launch_stages<T, kRowTiles, 1>(p, grid, one, stream);
   } else {
-    MLA_CHECK(one <= limit, "mla_decode: the decode kernel for ", 16 * kRowTiles, "-row tiles ",
-              fp8 ? "and an fp8 cache " : "", "needs ", one,
-              " bytes of shared memory per block (one stage; ", two, " with two), but device ",
-              info.device, " allows ", limit);
-    launch_stages<T, kRowTiles, 1>(params, grid, one, stream);
+    // An fp8 cache without its raw stage; a 16-bit cache has nothing smaller.
+    MLA_CHECK(fp8 && one_direct <= limit, "mla_decode: the decode kernel for ", 16 * kRowTiles,
+              "-row tiles needs ", one_direct, " bytes of shared memory per block (one stage; ",
+              two, " with two), but device ", info.device, " allows ", limit);
+    p.kv_fp8_direct = 1;
+    launch_stages<T, kRowTiles, 1>(p, grid, one_direct, stream);
   }
 }
 

@@ -256,6 +256,9 @@ struct DecodeParams {
   int64_t num_pages;   // P
   int page_shift;      // log2(S)
   int kv_is_fp8;       // fp8 e4m3 cache (else the compute dtype)
+  int kv_fp8_direct;   // the portable kernel with one stage: an fp8 tile goes through registers,
+                       // converted on its way to shared memory (no raw stage), where a raw stage
+                       // does not fit the block's shared memory
   const int32_t* block_table;  // [B, max_blocks]
   int64_t block_table_stride_b, block_table_stride_j;
 
