@@ -150,7 +150,8 @@ struct MlaDecodeArgs {
   // the other requests of the batch, its place in it, the batch size and max_q_len, and on every
   // run, for given heads, dtypes, page size, query layout and device (kAuto's kernel also
   // depends on the query rows' alignment and the pool's size). On the GPU every request's rows are cut
-  // into tiles of 64 rows (also where fewer rows would fit a narrower tile), and kAuto picks the
+  // into tiles of 64 rows (also where fewer rows would fit a narrower tile; 16 on GPUs whose
+  // blocks cannot hold the portable kernel's 64-row tile: sm_86 / sm_89), and kAuto picks the
   // kernel from everything but the batch size. Without a schedule each tile's keys are attended
   // by one thread block in order: slower where splitting pays (few requests with long contexts),
   // as fast at large batches, where the plan keeps units whole anyway. With a schedule from

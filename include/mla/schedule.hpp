@@ -74,8 +74,9 @@ struct DecodeSchedule {
 // depend on the request alone), spreads the pieces over all CTAs, and the combine adds a row's
 // pieces in key order: a request's output and LSE have the same bits in any batch planned on a
 // deterministic schedule with the same split_keys. Its workspace holds a partial result for
-// every piece of every row tile of 64 rows of up to max_batch requests of max_kv_len keys:
-// max_batch x ceil(max_q_len x H / 64) x ceil(max_kv_len / split_keys) slots of 128 KiB, so
+// every piece of every row tile of 64 rows (16 on sm_86 / sm_89) of up to max_batch requests of
+// max_kv_len keys: max_batch x ceil(max_q_len x H / 64) x ceil(max_kv_len / split_keys) slots
+// of 128 KiB, so
 // split_keys trades memory (and a combine over more pieces) for the CTAs a short batch can use.
 // mla_decode checks that the block table cannot hold more than max_kv_len keys
 // (block_table.shape[1] x page_size <= max_kv_len). Usage as above, with

@@ -95,7 +95,8 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
     The CPU ignores the workspace.
 
     deterministic: a request's rows are bit-identical whatever else is in the batch and from run
-    to run (64-row tiles, the kernel chosen without the batch size): unsplit without a workspace,
+    to run (64-row tiles, 16 on sm_86 / sm_89; the kernel chosen without the batch size): unsplit
+    without a workspace,
     or with a deterministic workspace (workspace_split_keys > 0, DecodeWorkspace(...,
     split_keys=N)) every request's keys cut at the multiples of N and spread over all SMs."""
     ref = q if q is not None else q_nope

@@ -28,6 +28,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <tuple>
 #include <random>
 #include <sstream>
@@ -469,8 +470,9 @@ TEST(GpuDecode, AllPageSizes) {
 // The portable kernel on GPUs whose blocks get less shared memory than two key stages need,
 // emulated on this one. An A100's limit (166,912 bytes) runs every row-tile class with one stage,
 // 16-bit and fp8 caches (fp8 64-row tiles through registers, without a raw stage), with and
-// without a schedule, and the deterministic mode's 64-row tiles; an sm_86 / sm_89 limit
-// (101,376) runs 16-row tiles (fp8 through registers) and refuses wider ones by name.
+// without a schedule, and the deterministic mode's 64-row tiles; under an sm_86 / sm_89 limit
+// (101,376) every request's rows are cut into 16-row tiles (fp8 through registers), the plans
+// and the deterministic mode's tiles too; below 95,232 bytes nothing fits, refused by name.
 struct SharedMemoryLimit {
   explicit SharedMemoryLimit(size_t bytes) { cuda::set_decode_shared_memory_limit(bytes); }
   ~SharedMemoryLimit() { cuda::set_decode_shared_memory_limit(0); }
@@ -485,10 +487,12 @@ struct SharedMemoryLimit {
   return throws_error([&] { mla_decode(a); }, fragments);
 }
 
-DecodeCase portable_case(int heads, DType kv, uint64_t seed) {
+// A case for the portable kernel: queries in the cache's dtype unless `q` is given.
+DecodeCase portable_case(int heads, DType kv, uint64_t seed, std::optional<DType> q = std::nullopt) {
   DecodeCase c = fixed(heads, 16, {0, 1, 63, 64, 65, 200, 1031});
   c.kernel = DecodeKernel::kPortable;
-  c.kv_dtype = c.q_dtype = kv;
+  c.kv_dtype = kv;
+  c.q_dtype = q.value_or(kv);
   c.k_scale = kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
   c.seed = seed;
   return c;
@@ -501,6 +505,9 @@ TEST(GpuDecode, OneStageWhereSharedMemoryIsShort) {
     SCOPED_TRACE("A100 limit");
     for (DType kv : {DType::kBF16, DType::kFP8E4M3})
       for (int heads : {16, 32, 128}) check_case(portable_case(heads, kv, uint64_t(29000 + heads + int(kv))), true);
+    // An fp8 cache with 16-bit queries (Q by cp.async next to the tiles through registers).
+    for (DType q : {DType::kBF16, DType::kFP16})
+      check_case(portable_case(128, DType::kFP8E4M3, uint64_t(29400 + int(q)), q), true);
     DecodeCase d = fixed(16, 64, {1, 700, 64, 0, 129}, 2);
     d.kernel = DecodeKernel::kPortable;
     d.use_schedule = false;
@@ -511,12 +518,29 @@ TEST(GpuDecode, OneStageWhereSharedMemoryIsShort) {
   {
     const SharedMemoryLimit ada(101376);
     SCOPED_TRACE("sm_89 limit");
-    for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
-      check_case(portable_case(16, kv, uint64_t(29600 + int(kv))), true);
-      EXPECT_TRUE(refused(portable_case(32, kv, 29700),
-                          {"mla_decode", "32-row tiles needs 115712 bytes of shared memory",
-                           "(one stage; 189440 with two)", "allows 101376"}));
+    for (DType kv : {DType::kBF16, DType::kFP8E4M3})
+      for (int heads : {16, 32, 128}) check_case(portable_case(heads, kv, uint64_t(29600 + heads + int(kv))), true);
+    for (DType q : {DType::kBF16, DType::kFP16})
+      check_case(portable_case(16, DType::kFP8E4M3, uint64_t(29650 + int(q)), q), true);
+    DecodeCase q2 = fixed(24, 16, {3, 70, 129}, 2);  // 48 rows a request: three 16-row tiles
+    q2.kernel = DecodeKernel::kPortable;
+    q2.seed = 29700;
+    check_case(q2, true);
+    for (int split_keys : {0, 256}) {  // the deterministic mode, unsplit and split
+      DecodeCase d = fixed(32, 64, {1, 700, 64, 0, 129}, 2);
+      d.kernel = DecodeKernel::kPortable;
+      d.use_schedule = split_keys > 0;
+      d.deterministic = true;
+      d.split_keys = split_keys;
+      d.seed = uint64_t(29800 + split_keys);
+      check_case(d);
     }
+  }
+  {
+    const SharedMemoryLimit tiny(90000);
+    EXPECT_TRUE(refused(portable_case(16, DType::kBF16, 29900),
+                        {"mla_decode", "16-row tiles needs 95232 bytes of shared memory",
+                         "(one stage; 168960 with two)", "allows 90000"}));
   }
 }
 

@@ -287,9 +287,11 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
     p.lse_stride_h = args.lse.stride[1];
   }
 
-  // Deterministic: 64-row tiles whatever max_q_len, so a request's tiles (and so its bits) do
-  // not depend on the other requests' query counts.
-  const int block_m = args.deterministic ? 64 : block_m_for_rows(int64_t(max_q_len) * num_heads);
+  // Row tiles of at most the widest this device's portable kernel runs (64 on Hopper and A100,
+  // 16 on sm_86 / sm_89). Deterministic: that width whatever max_q_len, so a request's tiles
+  // (and so its bits) do not depend on the other requests' query counts.
+  const int cap = device_row_tile_cap();
+  const int block_m = args.deterministic ? cap : block_m_for_rows(int64_t(max_q_len) * num_heads, cap);
   const int64_t tiles_per_request = (int64_t(max_q_len) * num_heads + block_m - 1) / block_m;
   p.tiles_per_request = int(tiles_per_request);
   int grid = 0;
@@ -357,3 +359,10 @@ void set_decode_shared_memory_limit(size_t bytes) {
   g_shared_memory_limit.store(bytes, std::memory_order_relaxed);
 }
 }  // namespace mla::cuda
+
+namespace mla::cuda::decode {
+int device_row_tile_cap() {
+  return widest_row_tile(
+      decode_shared_memory_limit(size_t(current_device_info().max_smem_per_block_optin)));
+}
+}  // namespace mla::cuda::decode

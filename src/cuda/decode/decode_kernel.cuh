@@ -58,6 +58,7 @@
 #include "cuda/cuda_check.hpp"
 #include "cuda/cuda_ops.hpp"
 #include "cuda/decode/decode_device.cuh"
+#include "cuda/decode/decode_launch.hpp"
 #include "cuda/decode/decode_params.cuh"
 
 namespace mla::cuda::decode {
@@ -94,6 +95,9 @@ struct DecodeTraits {
     } kv;
   };
   static_assert(offsetof(SharedStorage, kv) % 128 == 0, "tiles start on a 128-byte line");
+  static_assert(sizeof(T) != 2 || offsetof(SharedStorage, kv) + kBlockN * kHeadDim * sizeof(T) ==
+                                      portable_one_stage_bytes(kBlockM),
+                "the row-tile cap (decode_launch.hpp) follows this layout");
   // Shared memory a block takes for a 16-bit or an fp8 cache (fp8_direct: converted through
   // registers, one stage: no raw tile).
   static constexpr size_t smem_bytes(bool fp8, bool fp8_direct = false) {
@@ -288,7 +292,7 @@ struct DecodeCta {
     uint4 v[kPerThread];
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i)
-      v[i] = offset >= 0 ? *reinterpret_cast<const uint4*>(src + (sub + 4 * i) * 16)
+      v[i] = offset >= 0 ? __ldg(reinterpret_cast<const uint4*>(src + (sub + 4 * i) * 16))
                          : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
@@ -381,7 +385,7 @@ struct DecodeCta {
     for (int f = 0; f < kColFrags; ++f) o[f][0] = o[f][1] = o[f][2] = o[f][3] = 0.0f;
 
     // One stage, fp8 through registers: no raw stage, the tile converted on its way in.
-    const bool direct = kStages == 1 && p.kv_fp8_direct;
+    const bool direct = kStages == 1 && p.kv_is_fp8 && p.kv_fp8_direct;
     __syncthreads();  // the previous item is done with shared memory
     if (num_tiles > 0) {
       load_q(g.q_start, row0, valid_rows);
@@ -566,7 +570,7 @@ void launch_stages(const DecodeParams& params, int grid, size_t bytes, cudaStrea
 }
 
 // Host launcher (instantiated in decode_bf16.cu / decode_fp16.cu): two stages where the device
-// allows a block their shared memory, else one.
+// allows a block their shared memory, else one, else (fp8 cache) one without the raw stage.
 template <typename T, int kRowTiles>
 void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream) {
   const DeviceInfo& info = current_device_info();

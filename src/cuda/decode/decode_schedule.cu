@@ -656,7 +656,7 @@ struct FixedRequest {
 };
 __device__ __forceinline__ FixedRequest fixed_request(const FixedPlanLaunch& launch,
                                                       const RequestGeometry& g) {
-  const int tiles = row_tiles(g.q_len, launch.pp.layout.num_heads, kMaxBlockM);
+  const int tiles = row_tiles(g.q_len, launch.pp.layout.num_heads, launch.pp.block_m);
   return {tiles == 0 ? 0 : launch.lanes > 1 ? 1 : tiles,
           fixed_split::pieces(g.kv_len, launch.pp.split_keys)};
 }
@@ -852,7 +852,8 @@ DecodeSchedule layout_fixed_schedule(const char* op, int max_batch, int max_q_le
             split_keys);
   MLA_CHECK(max_kv_len >= 1, op, ": max_kv_len must be >= 1, got ", max_kv_len);
   const int64_t pieces = fixed_split::pieces(max_kv_len, split_keys);
-  const int64_t tiles_per_request = (int64_t(max_q_len) * num_heads + kMaxBlockM - 1) / kMaxBlockM;
+  const int block_m = device_row_tile_cap();  // the deterministic mode's tiles on this device
+  const int64_t tiles_per_request = (int64_t(max_q_len) * num_heads + block_m - 1) / block_m;
   const double bound = double(max_batch) * double(tiles_per_request) * double(pieces);
   MLA_CHECK(bound + num_parts <= INT_MAX / 64, op, ": capacity too large: max_batch ", max_batch,
             " x ", tiles_per_request, " row tiles x ", pieces, " pieces (max_kv_len ", max_kv_len,
@@ -872,8 +873,8 @@ DecodeSchedule layout_fixed_schedule(const char* op, int max_batch, int max_q_le
 void launch_plan_kernel(const PlanParams& params, cudaStream_t stream) {
   const int block_m = params.block_m, num_heads = params.layout.num_heads;
   if (params.split_keys > 0) {
-    MLA_CHECK(block_m == kMaxBlockM, "plan_decode: a deterministic plan has row tiles of ",
-              kMaxBlockM, " rows, got ", block_m);
+    MLA_CHECK(block_m == device_row_tile_cap(), "plan_decode: a deterministic plan has row tiles "
+              "of ", device_row_tile_cap(), " rows on this device, got ", block_m);
     FixedPlanLaunch launch{};
     launch.pp = params;
     launch.lanes = plan_lanes(params.layout.max_q_len, num_heads, block_m, params.num_parts);
@@ -1029,8 +1030,9 @@ void plan_decode(const DecodeSchedule& schedule, const TensorView& kv_lens,
   pp.layout = layout;
   pp.split_keys = schedule.split_keys;
   pp.block_m = schedule.split_keys > 0
-                   ? kMaxBlockM
-                   : block_m_for_rows(int64_t(layout.max_q_len) * schedule.num_heads);
+                   ? device_row_tile_cap()
+                   : block_m_for_rows(int64_t(layout.max_q_len) * schedule.num_heads,
+                                      device_row_tile_cap());
   pp.num_parts = schedule.num_parts;
   pp.max_items = schedule.max_items;
   pp.max_split_units = schedule.max_split_units;
