@@ -498,16 +498,21 @@ DecodeCase portable_case(int heads, DType kv, uint64_t seed, std::optional<DType
   return c;
 }
 
+// 16, 32 and 128 heads over a bf16 and an fp8 cache, and an fp8 cache with bf16 and fp16 queries
+// at fp8_q_heads (Q by cp.async next to tiles through registers), with and without a schedule.
+void check_portable_dtypes(int fp8_q_heads, uint64_t seed) {
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3})
+    for (int heads : {16, 32, 128}) check_case(portable_case(heads, kv, seed + heads + int(kv)), true);
+  for (DType q : {DType::kBF16, DType::kFP16})
+    check_case(portable_case(fp8_q_heads, DType::kFP8E4M3, seed + 400 + int(q), q), true);
+}
+
 TEST(GpuDecode, OneStageWhereSharedMemoryIsShort) {
   MLA_REQUIRE_GPU();
   {
     const SharedMemoryLimit a100(166912);
     SCOPED_TRACE("A100 limit");
-    for (DType kv : {DType::kBF16, DType::kFP8E4M3})
-      for (int heads : {16, 32, 128}) check_case(portable_case(heads, kv, uint64_t(29000 + heads + int(kv))), true);
-    // An fp8 cache with 16-bit queries (Q by cp.async next to the tiles through registers).
-    for (DType q : {DType::kBF16, DType::kFP16})
-      check_case(portable_case(128, DType::kFP8E4M3, uint64_t(29400 + int(q)), q), true);
+    check_portable_dtypes(128, 29000);
     DecodeCase d = fixed(16, 64, {1, 700, 64, 0, 129}, 2);
     d.kernel = DecodeKernel::kPortable;
     d.use_schedule = false;
@@ -518,10 +523,7 @@ TEST(GpuDecode, OneStageWhereSharedMemoryIsShort) {
   {
     const SharedMemoryLimit ada(101376);
     SCOPED_TRACE("sm_89 limit");
-    for (DType kv : {DType::kBF16, DType::kFP8E4M3})
-      for (int heads : {16, 32, 128}) check_case(portable_case(heads, kv, uint64_t(29600 + heads + int(kv))), true);
-    for (DType q : {DType::kBF16, DType::kFP16})
-      check_case(portable_case(16, DType::kFP8E4M3, uint64_t(29650 + int(q)), q), true);
+    check_portable_dtypes(16, 29600);
     DecodeCase q2 = fixed(24, 16, {3, 70, 129}, 2);  // 48 rows a request: three 16-row tiles
     q2.kernel = DecodeKernel::kPortable;
     q2.seed = 29700;
