@@ -123,7 +123,7 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   MLA_CHECK(args.deterministic || args.schedule == nullptr || args.schedule->split_keys == 0, op,
             ": the schedule was made by make_deterministic_decode_schedule (split_keys ",
             args.schedule == nullptr ? 0 : args.schedule->split_keys,
-            "), which plans 64-row tiles for deterministic = true; set deterministic = true or "
+            "), which plans the tiles of deterministic = true; set deterministic = true or "
             "use a schedule from make_decode_schedule");
   if (batch == 0 || num_tokens == 0) return;
   detail::run_on(op, device, [&] { cpu::mla_decode(args); },

@@ -143,6 +143,13 @@ __device__ __forceinline__ void add_step(const PieceStep<Partial>& st, float lse
   }
 }
 
+__device__ __forceinline__ void add4(float4& a, const float4& b) {
+  a.x += b.x;
+  a.y += b.y;
+  a.z += b.z;
+  a.w += b.w;
+}
+
 // The row's LSE over its n pieces' LSEs (lse_k, a slot apart), the same in every lane: its max
 // and the sum of exp(lse_k - max) (-inf and 0 when every piece is empty). A lane's four a round
 // trip (up to 128 pieces), the round's max first, then four independent exps; then the warp's
@@ -379,19 +386,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
           if (round > 0) {  // the running sum first: key order
             const float4 v = sum;
             sum = running[lane][i];
-            sum.x += v.x;
-            sum.y += v.y;
-            sum.z += v.z;
-            sum.w += v.w;
+            add4(sum, v);
           }
 #pragma unroll 1
-          for (int other = 1; other < in_round; ++other) {
-            const float4 v = partial[first + other][lane][i];
-            sum.x += v.x;
-            sum.y += v.y;
-            sum.z += v.z;
-            sum.w += v.w;
-          }
+          for (int other = 1; other < in_round; ++other) add4(sum, partial[first + other][lane][i]);
           if (last)
             store_out4(p, out_row(p, token, head), 4 * (lane + 32 * i), sum);
           else
@@ -457,13 +455,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       for (int i = j; i < 4; i += w) {
         float4 sum = partial[first][lane][i];
 #pragma unroll 1
-        for (int other = 1; other < w; ++other) {
-          const float4 v = partial[first + other][lane][i];
-          sum.x += v.x;
-          sum.y += v.y;
-          sum.z += v.z;
-          sum.w += v.w;
-        }
+        for (int other = 1; other < w; ++other) add4(sum, partial[first + other][lane][i]);
         store_out4(p, row_base, 4 * (lane + 32 * i), sum);
       }
       if (p.lse != nullptr && j == 0 && lane == 0) p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;

@@ -344,9 +344,6 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   if (p.has_schedule) launch_combine_kernel(p, cs);
 }
 
-}  // namespace mla::cuda
-
-namespace mla::cuda {
 namespace {
 std::atomic<size_t> g_shared_memory_limit{0};  // 0: the device's
 }  // namespace

@@ -95,8 +95,8 @@ struct DecodeTraits {
     } kv;
   };
   static_assert(offsetof(SharedStorage, kv) % 128 == 0, "tiles start on a 128-byte line");
-  static_assert(sizeof(T) != 2 || offsetof(SharedStorage, kv) + kBlockN * kHeadDim * sizeof(T) ==
-                                      portable_one_stage_bytes(kBlockM),
+  static_assert(offsetof(SharedStorage, kv) + kBlockN * kHeadDim * sizeof(T) ==
+                    portable_one_stage_bytes(kBlockM),
                 "the row-tile cap (decode_launch.hpp) follows this layout");
   // Shared memory a block takes for a 16-bit or an fp8 cache (fp8_direct: converted through
   // registers, one stage: no raw tile).

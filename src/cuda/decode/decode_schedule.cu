@@ -627,14 +627,8 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_decode_kernel(const __gr
 // scan of the counts and one of the costs give every thread its place. The owner of a request
 // writes its split units; the items are written by the whole CTA (item i by thread i mod
 // threads, which finds its request through the threads' first items in shared memory), so that
-// one long request's pieces do not become one thread's serial stores.
-struct FixedPlanLaunch {
-  PlanParams pp;
-  int lanes;       // plan_lanes(max_q_len, num_heads, 64, num_parts)
-  int parts;       // num_parts / lanes
-  int per_thread;  // requests a thread owns
-};
-
+// one long request's pieces do not become one thread's serial stores. Its argument is the
+// balanced plan's PlanLaunch (pp, lanes, parts, per_thread; block_m_log2 and parts_magic unused).
 struct FixedPlanShared {
   Counts scan_counts[kPlanMaxWarps];
   long long scan64[kPlanMaxWarps];
@@ -654,14 +648,14 @@ struct FixedRequest {
   __device__ int slots() const { return pieces > 1 ? units * pieces : 0; }
   __device__ int splits() const { return pieces > 1 ? units : 0; }
 };
-__device__ __forceinline__ FixedRequest fixed_request(const FixedPlanLaunch& launch,
+__device__ __forceinline__ FixedRequest fixed_request(const PlanLaunch& launch,
                                                       const RequestGeometry& g) {
   const int tiles = row_tiles(g.q_len, launch.pp.layout.num_heads, launch.pp.block_m);
   return {tiles == 0 ? 0 : launch.lanes > 1 ? 1 : tiles,
           fixed_split::pieces(g.kv_len, launch.pp.split_keys)};
 }
 
-__global__ void __launch_bounds__(kPlanMaxThreads) plan_fixed_kernel(const __grid_constant__ FixedPlanLaunch launch) {
+__global__ void __launch_bounds__(kPlanMaxThreads) plan_fixed_kernel(const __grid_constant__ PlanLaunch launch) {
   const PlanParams& pp = launch.pp;
   __shared__ FixedPlanShared sh;
   allow_dependent_launch();  // the decode kernel's CTAs start and wait for this plan
@@ -839,7 +833,8 @@ DecodeSchedule layout_schedule(const char* op, int max_batch, int max_q_len, int
   return lay_out(s);
 }
 
-// The deterministic plan's (fixed_split.hpp): row tiles of 64 rows, every unit in up to
+// The deterministic plan's (fixed_split.hpp): row tiles of the device's widest (64 rows on
+// Hopper and A100; device_row_tile_cap), every unit in up to
 // pieces(max_kv_len, split_keys) pieces, each a slot of its own when there are several. At
 // least num_parts items, as the balanced plan has: a decode CTA asks L2 for item blockIdx.x /
 // lanes before it has read the plan (cta_work).
@@ -872,21 +867,6 @@ DecodeSchedule layout_fixed_schedule(const char* op, int max_batch, int max_q_le
 
 void launch_plan_kernel(const PlanParams& params, cudaStream_t stream) {
   const int block_m = params.block_m, num_heads = params.layout.num_heads;
-  if (params.split_keys > 0) {
-    MLA_CHECK(block_m == device_row_tile_cap(), "plan_decode: a deterministic plan has row tiles "
-              "of ", device_row_tile_cap(), " rows on this device, got ", block_m);
-    FixedPlanLaunch launch{};
-    launch.pp = params;
-    launch.lanes = plan_lanes(params.layout.max_q_len, num_heads, block_m, params.num_parts);
-    launch.parts = params.num_parts / launch.lanes;
-    MLA_CHECK(launch.parts >= 1, "plan_decode: ", params.num_parts, " parts for ", launch.lanes,
-              " lanes (the schedule needs at least one part a lane)");
-    const int threads = plan_threads(params.layout.batch_size);
-    launch.per_thread = (params.layout.batch_size + threads - 1) / threads;
-    plan_fixed_kernel<<<1, threads, 0, stream>>>(launch);
-    MLA_CUDA_CHECK_LAUNCH();
-    return;
-  }
   MLA_CHECK(block_m >= 1 && (block_m & (block_m - 1)) == 0, "plan_decode: row tiles of ", block_m,
             " rows (expected a power of two)");
   PlanLaunch launch{};
@@ -895,9 +875,14 @@ void launch_plan_kernel(const PlanParams& params, cudaStream_t stream) {
   launch.parts = params.num_parts / launch.lanes;
   const int threads = plan_threads(params.layout.batch_size);
   launch.per_thread = (params.layout.batch_size + threads - 1) / threads;
-  while ((1 << launch.block_m_log2) < block_m) ++launch.block_m_log2;
   MLA_CHECK(launch.parts >= 1, "plan_decode: ", params.num_parts, " parts for ", launch.lanes,
             " lanes (the schedule needs at least one part a lane)");
+  if (params.split_keys > 0) {
+    plan_fixed_kernel<<<1, threads, 0, stream>>>(launch);
+    MLA_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  while ((1 << launch.block_m_log2) < block_m) ++launch.block_m_log2;
   launch.parts_magic = division_magic(uint32_t(launch.parts));
   // One unit a thread (a request a thread, and one unit a request: lanes, or one row tile a
   // request): the plan without loops.
@@ -1029,10 +1014,10 @@ void plan_decode(const DecodeSchedule& schedule, const TensorView& kv_lens,
   if (schedule.split_keys > 0) layout.max_kv_len = schedule.max_kv_len;  // its pieces' bound
   pp.layout = layout;
   pp.split_keys = schedule.split_keys;
+  const int cap = device_row_tile_cap();  // (the deterministic mode's tiles: that width)
   pp.block_m = schedule.split_keys > 0
-                   ? device_row_tile_cap()
-                   : block_m_for_rows(int64_t(layout.max_q_len) * schedule.num_heads,
-                                      device_row_tile_cap());
+                   ? cap
+                   : block_m_for_rows(int64_t(layout.max_q_len) * schedule.num_heads, cap);
   pp.num_parts = schedule.num_parts;
   pp.max_items = schedule.max_items;
   pp.max_split_units = schedule.max_split_units;
