@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "fixed_split_model.hpp"
+#include "mla/schedule.hpp"
+#include "test_util.hpp"
 
 namespace mla::test {
 namespace {
@@ -183,6 +185,32 @@ TEST(FixedSplit, OneLongRequestSpreadsOverTheParts) {
   }
   ASSERT_EQ(m.split_units.size(), 1u);
   EXPECT_EQ(m.split_units[0].num_pieces, 16);
+}
+
+// The deterministic schedule's capacity arguments are checked before anything asks the device
+// (num_parts given), so a build with CUDA reports them here too; a build without CUDA says it
+// has none.
+TEST(FixedSplit, DeterministicScheduleArgumentsNameTheArgument) {
+#if defined(MLA_WITH_CUDA)
+  EXPECT_TRUE(throws_error([] { decode_workspace_bytes_deterministic(8, 2, 16, 4096, 100, 132); },
+                           {"decode_workspace_bytes_deterministic", "split_keys", "multiple of 64", "100"}));
+  EXPECT_TRUE(throws_error([] { decode_workspace_bytes_deterministic(8, 2, 16, 4096, 0, 132); },
+                           {"split_keys"}));
+  EXPECT_TRUE(throws_error([] { decode_workspace_bytes_deterministic(8, 2, 16, 0, 1024, 132); },
+                           {"max_kv_len must be >= 1"}));
+  EXPECT_TRUE(throws_error([] { decode_workspace_bytes_deterministic(0, 2, 16, 4096, 1024, 132); },
+                           {"max_batch"}));
+  EXPECT_TRUE(throws_error([] { decode_workspace_bytes_deterministic(8, 2, 129, 4096, 1024, 132); },
+                           {"num_heads"}));
+  EXPECT_TRUE(throws_error(
+      [] { make_deterministic_decode_schedule(nullptr, 0, 8, 2, 16, 4096, 96, 132); },
+      {"make_deterministic_decode_schedule", "split_keys must be a positive multiple of 64"}));
+#else
+  EXPECT_TRUE(throws_error([] { decode_workspace_bytes_deterministic(8, 2, 16, 4096, 1024); },
+                           {"decode_workspace_bytes_deterministic", "no CUDA support"}));
+  EXPECT_TRUE(throws_error([] { make_deterministic_decode_schedule(nullptr, 0, 8, 2, 16, 4096, 1024); },
+                           {"make_deterministic_decode_schedule", "no CUDA support"}));
+#endif
 }
 
 }  // namespace
