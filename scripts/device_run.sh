@@ -6,7 +6,8 @@
 #   3. memcheck  compute-sanitizer --tool memcheck over the GPU test binary
 #      racecheck compute-sanitizer --tool racecheck, on a reduced set (slow)
 #   4. bench     mla-bench --device cuda --sweep decode (and prefill when supported), JSON out;
-#                then, with AB_BUILDS, a same-call A/B of other builds (scripts/ab_decode.py)
+#                then, with AB_BUILDS, a same-call A/B of other builds (scripts/ab_decode.py),
+#                and with NCU_CASES, ncu (clocks as they are) of the kernels of chosen rows
 #   5. summary   a table of step, result (PASS/FAIL/SKIP), seconds and counts, printed last
 # Logs and JSON go to ${OUT:-./device-out}, packed into device-run.tgz at the end. Exits non-zero
 # when any step failed; the table is printed in every case.
@@ -27,6 +28,7 @@
 #   BENCH_DECODE_PART=K/N  or only part K (merge the JSONs with bench/merge_results.py)
 #   AB_BUILDS, AB_CASES, AB_ROUNDS, AB_DEADLINE_S   an A/B of other mla-bench builds against
 #                          this one (step 4b; scripts/ab_decode.py)
+#   NCU_CASES, NCU_KERNELS, NCU_LAUNCHES, NCU_TIMEOUT_S   ncu of chosen rows (step 4c)
 #   SANITIZE_TIMEOUT_S, BENCH_TIMEOUT_S, TEST_TIMEOUT_S   per-step time limits in seconds
 #   PACK_OUTPUT=0          leave the logs and JSON as files (default: one device-run.tgz at the end)
 set -euo pipefail
@@ -254,6 +256,41 @@ if [[ -n "${AB_BUILDS:-}" ]]; then
   tail -40 "$OUT_DIR/ab.log" || true
   record "a/b" "$( ((rc == 0)) && echo PASS || echo FAIL)" $(($(now) - t0)) \
     "exit $rc, $(wc -w <<<"$AB_BUILDS") builds against main, ${#ab_cases[@]} cases, see ab.log"
+fi
+
+# ---- 4c. ncu of chosen rows (optional) ---------------------------------------------------------
+# NCU_CASES="--heads 128 --batch 128 --kv-len 4096 --rows hopper; ..." (mla-bench case options,
+# cases separated by ';') profiles the first NCU_LAUNCHES (default 2) launches of the kernels that
+# match NCU_KERNELS (default: the decode kernels and the combine) in each case, GPU clocks as they
+# are, with the sections that say what limits a kernel: speed of light, compute and memory
+# workloads, warp states and launch statistics. One log a case (ncu_<k>.log); the summary counts
+# the launches profiled.
+if [[ -n "${NCU_CASES:-}" ]]; then
+  NCU="$(find_tool ncu)"
+  if [[ -z "$NCU" ]]; then
+    record ncu SKIP 0 "ncu not found"
+  else
+    IFS=';' read -r -a ncu_cases <<<"$NCU_CASES"
+    k=0
+    for c in "${ncu_cases[@]}"; do
+      [[ -n "${c// /}" ]] || continue
+      k=$((k + 1))
+      t0=$(now)
+      rc=0
+      log="$OUT_DIR/ncu_$k.log"
+      echo "== ncu case $k: mla-bench $c"
+      # shellcheck disable=SC2086  # the case is a list of options
+      timeout "${NCU_TIMEOUT_S:-300}" "$NCU" --clock-control none \
+        --kernel-name "regex:${NCU_KERNELS:-mla_decode|decode_combine}" \
+        --launch-count "${NCU_LAUNCHES:-2}" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+        --section Occupancy "$BENCH" --device cuda --warmup 0 --iters 1 $c >"$log" 2>&1 || rc=$?
+      grep -E '^  [^ ].*\(|Duration|Compute \(SM\) Throughput|DRAM Throughput|Registers Per' "$log" |
+        head -24 || true
+      record "ncu $k" "$( ((rc == 0)) && echo PASS || echo FAIL)" $(($(now) - t0)) \
+        "exit $rc, $(grep -c '^==PROF== Profiling' "$log" || true) launches, $(basename "$log"): $c"
+    done
+  fi
 fi
 
 # ---- 5. summary: printed by the EXIT trap ----------------------------------------------------
