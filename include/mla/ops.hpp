@@ -174,8 +174,8 @@ const char* mla_decode_kernel_name(const MlaDecodeArgs& args);
 //    The CPU path checks the offsets and throws. On the GPU they are device data read by the
 //    kernel: each is clamped to [0, Tq] / [0, Tk] (a request whose end precedes its start has no
 //    rows), so a bad one never reads or writes outside the tensors (it can still mix or overwrite
-//    other requests' rows), and a request's rows that the launch does not cover (past
-//    ceil(max_q_len / 64) * 64) come out NaN.
+//    other requests' rows; `check_metadata` reports it instead), and a request's rows that the
+//    launch does not cover (past ceil(max_q_len / 64) * 64) come out NaN.
 struct MhaPrefillArgs {
   TensorView q;            // [Tq, H, 192] bf16/fp16/fp8e4m3, inner stride 1
   TensorView k;            // [Tk, H, 192] same dtype as q
@@ -191,6 +191,11 @@ struct MhaPrefillArgs {
   float v_scale = 1.0f;
   TensorView out;          // [Tq, H, 128] bf16/fp16/fp32
   TensorView lse;          // [Tq, H] fp32, optional
+  // GPU only, a debug mode: before launching, copy cu_q_lens and cu_kv_lens to the host and check
+  // them as the CPU path always does (ends 0 and Tq / Tk, non-decreasing, each length within
+  // max_q_len / max_kv_len), throwing mla::Error that names the first bad value. It synchronises
+  // the stream, so it is refused while the stream is being captured into a CUDA graph.
+  bool check_metadata = false;
 };
 void mha_prefill(const MhaPrefillArgs& args, Stream stream = nullptr);
 

@@ -16,5 +16,9 @@ void mla_decode(const MlaDecodeArgs& args);
 // on every call; the GPU one when MlaDecodeArgs::check_metadata is set, on host copies.
 void check_decode_metadata(const MlaDecodeArgs& args, int64_t num_tokens);
 void mha_prefill(const MhaPrefillArgs& args);
+// Checks cu_q_lens and cu_kv_lens of an mha_prefill call (readable on the host) and throws
+// mla::Error naming the first bad value. The CPU mha_prefill runs it on every call; the GPU one
+// when MhaPrefillArgs::check_metadata is set, on host copies.
+void check_prefill_metadata(const MhaPrefillArgs& args);
 void merge_states(const MergeStatesArgs& args);
 }  // namespace mla::cpu

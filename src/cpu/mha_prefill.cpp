@@ -148,6 +148,8 @@ class PrefillRunner {
 
 }  // namespace
 
+void check_prefill_metadata(const MhaPrefillArgs& args) { (void)read_requests(args); }
+
 void mha_prefill(const MhaPrefillArgs& args) { PrefillRunner(args, read_requests(args)).run(); }
 
 }  // namespace mla::cpu

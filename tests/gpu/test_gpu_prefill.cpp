@@ -612,6 +612,69 @@ TEST(MhaPrefillGpu, BadDeviceOffsetsAreClampedToTheTensors) {
   }
 }
 
+// MhaPrefillArgs::check_metadata: the device offsets checked on host copies with the CPU path's
+// messages, before anything is launched; refused during graph capture. Good offsets give the
+// bits of a run without it.
+TEST(MhaPrefillGpu, CheckMetadataNamesTheFirstBadOffset) {
+  MLA_REQUIRE_GPU();
+  PrefillCase c;
+  c.q_lens = {3, 4};   // Tq 7
+  c.kv_lens = {5, 4};  // Tk 9
+  c.heads = 2;
+  PrefillBuffers buf;
+  make_buffers(c, buf);
+  DeviceTensor d_q(buf.q), d_k(buf.k), d_v(buf.v);
+  struct BadCase {
+    std::vector<int32_t> cu_q, cu_kv;
+    int max_q_len;
+    const char* message[2];  // two fragments of the expected message
+  };
+  const std::vector<BadCase> cases = {
+      {{0, 3, 1 << 30}, {0, 5, 9}, 7, {"mha_prefill", "cu_q_lens[2] must equal the 7"}},
+      {{0, 3, 7}, {-1, 5, 9}, 7, {"mha_prefill", "cu_kv_lens[0] must be 0"}},
+      {{0, 8, 7}, {0, 5, 9}, 8, {"cu_q_lens must be non-decreasing", "cu_q_lens[1] = 8 > cu_q_lens[2] = 7"}},
+      {{0, 3, 7}, {0, 5, 9}, 3, {"request 1 has 4 queries", "max_q_len is 3"}},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const BadCase& bad = cases[i];
+    HostTensor cu_q = int32_tensor(bad.cu_q), cu_kv = int32_tensor(bad.cu_kv);
+    HostTensor out = buf.out, lse = buf.lse;  // NaN
+    DeviceTensor d_cu_q(cu_q), d_cu_kv(cu_kv), d_out(out), d_lse(lse);
+    MhaPrefillArgs a = contiguous_on_device(buf.args, d_q, d_k, d_v, d_cu_q, d_cu_kv, d_out, d_lse);
+    a.max_q_len = bad.max_q_len;
+    a.max_kv_len = 9;
+    a.check_metadata = true;
+    EXPECT_TRUE(throws_error([&] { mla::mha_prefill(a); }, {bad.message[0], bad.message[1]}))
+        << "case " << i;
+    d_lse.download();  // nothing was launched
+    EXPECT_TRUE(std::isnan(lse.to_float()[0])) << "case " << i;
+  }
+
+  HostTensor cu_q = int32_tensor({0, 3, 7}), cu_kv = int32_tensor({0, 5, 9});
+  HostTensor out = buf.out, lse = buf.lse, out_checked = buf.out, lse_checked = buf.lse;
+  DeviceTensor d_cu_q(cu_q), d_cu_kv(cu_kv), d_out(out), d_lse(lse), d_out_checked(out_checked),
+      d_lse_checked(lse_checked);
+  MhaPrefillArgs a = contiguous_on_device(buf.args, d_q, d_k, d_v, d_cu_q, d_cu_kv, d_out, d_lse);
+  a.max_q_len = 7;
+  a.max_kv_len = 9;
+  ASSERT_NO_THROW(mla::mha_prefill(a));
+  MhaPrefillArgs checked = contiguous_on_device(buf.args, d_q, d_k, d_v, d_cu_q, d_cu_kv,
+                                                d_out_checked, d_lse_checked);
+  checked.max_q_len = 7;
+  checked.max_kv_len = 9;
+  checked.check_metadata = true;
+  ASSERT_NO_THROW(mla::mha_prefill(checked));
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
+  for (DeviceTensor* t : {&d_out, &d_lse, &d_out_checked, &d_lse_checked}) t->download();
+  EXPECT_TRUE(bitwise_equal(out_checked, out));
+  EXPECT_TRUE(bitwise_equal(lse_checked, lse));
+  const auto captured = run_in_cuda_graph([&](Stream s) { mla::mha_prefill(checked, s); });
+  EXPECT_FALSE(captured);
+  EXPECT_NE(std::string(captured.message()).find("check_metadata"), std::string::npos)
+      << captured.message();
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
+}
+
 TEST(MhaPrefillGpu, BadArgumentsThrow) {
   MLA_REQUIRE_GPU();
   PrefillCase c;

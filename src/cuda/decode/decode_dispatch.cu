@@ -18,6 +18,7 @@
 #include "cuda/cuda_check.hpp"
 #include "cuda/cuda_ops.hpp"
 #include "cuda/decode/decode_launch.hpp"
+#include "cuda/host_metadata.hpp"
 #if defined(MLA_HOPPER_DECODE)
 #include "cuda/decode/decode_hopper.hpp"
 #endif
@@ -128,36 +129,23 @@ bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
 }
 
 // MlaDecodeArgs::check_metadata: the lengths and the block table copied to the host and checked
-// by the CPU path's checks (one set of rules and messages for both).
+// by the CPU path's checks (kv_lens and cu_q_lens are contiguous, block_table inner-contiguous:
+// checked before).
 void check_metadata_on_host(const MlaDecodeArgs& args, int64_t num_tokens, cudaStream_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  MLA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  MLA_CHECK(capture == cudaStreamCaptureStatusNone,
-            "mla_decode: check_metadata copies the lengths and the block table to the host and waits "
-            "for them, which a stream being captured into a CUDA graph cannot do; capture without it");
+  require_not_capturing("mla_decode", "the lengths and the block table", stream);
   const int64_t batch = args.block_table.shape[0];
   const int64_t max_blocks = args.block_table.shape[1];
-  // rows x cols int32 values, rows src_pitch elements apart (kv_lens and cu_q_lens are
-  // contiguous, block_table inner-contiguous: checked before), into a packed host copy.
-  auto to_host = [stream](const TensorView& src, int64_t rows, int64_t cols, int64_t src_pitch) {
-    std::vector<int32_t> dst(static_cast<size_t>(rows * cols));
-    if (!dst.empty()) {
-      MLA_CUDA_CHECK(cudaMemcpy2DAsync(dst.data(), size_t(cols) * sizeof(int32_t), src.data,
-                                       size_t(src_pitch) * sizeof(int32_t), size_t(cols) * sizeof(int32_t),
-                                       size_t(rows), cudaMemcpyDeviceToHost, stream));
-    }
-    return dst;
-  };
-  std::vector<int32_t> kv_lens = to_host(args.kv_lens, 1, batch, batch);
-  std::vector<int32_t> block_table = to_host(args.block_table, batch, max_blocks, args.block_table.stride[0]);
-  std::vector<int32_t> cu_q_lens = args.cu_q_lens.empty() ? std::vector<int32_t>{}
-                                                          : to_host(args.cu_q_lens, 1, batch + 1, batch + 1);
+  std::vector<int32_t> kv_lens = copy_int32_to_host(args.kv_lens, 1, batch, batch, stream);
+  std::vector<int32_t> block_table =
+      copy_int32_to_host(args.block_table, batch, max_blocks, args.block_table.stride[0], stream);
+  std::vector<int32_t> cu_q_lens = args.cu_q_lens.empty()
+                                       ? std::vector<int32_t>{}
+                                       : copy_int32_to_host(args.cu_q_lens, 1, batch + 1, batch + 1, stream);
   MLA_CUDA_CHECK(cudaStreamSynchronize(stream));
   MlaDecodeArgs host = args;
-  host.kv_lens = TensorView::contiguous(kv_lens.data(), DType::kInt32, {batch}, Device::cpu());
-  host.block_table = TensorView::contiguous(block_table.data(), DType::kInt32, {batch, max_blocks}, Device::cpu());
-  if (!cu_q_lens.empty())
-    host.cu_q_lens = TensorView::contiguous(cu_q_lens.data(), DType::kInt32, {batch + 1}, Device::cpu());
+  host.kv_lens = host_int32_view(kv_lens, {batch});
+  host.block_table = host_int32_view(block_table, {batch, max_blocks});
+  if (!cu_q_lens.empty()) host.cu_q_lens = host_int32_view(cu_q_lens, {batch + 1});
   cpu::check_decode_metadata(host, num_tokens);
 }
 

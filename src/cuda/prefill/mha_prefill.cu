@@ -2,9 +2,12 @@
 // Shapes, dtypes and devices were validated by the public entry (src/ops/mha_prefill.cpp).
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
+#include "cpu/cpu_ops.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/cuda_ops.hpp"
+#include "cuda/host_metadata.hpp"
 #include "cuda/prefill/prefill_params.cuh"
 
 namespace mla::cuda {
@@ -36,6 +39,20 @@ prefill::OutKind out_kind_of(DType dtype) {
   }
 }
 
+// MhaPrefillArgs::check_metadata: the cumulative lengths (contiguous: checked before) copied to
+// the host and checked by the CPU path's checks.
+void check_metadata_on_host(const MhaPrefillArgs& args, cudaStream_t stream) {
+  require_not_capturing(kOp, "cu_q_lens and cu_kv_lens", stream);
+  const int64_t n = args.cu_q_lens.shape[0];
+  std::vector<int32_t> cu_q = copy_int32_to_host(args.cu_q_lens, 1, n, n, stream);
+  std::vector<int32_t> cu_kv = copy_int32_to_host(args.cu_kv_lens, 1, n, n, stream);
+  MLA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MhaPrefillArgs host = args;
+  host.cu_q_lens = host_int32_view(cu_q, {n});
+  host.cu_kv_lens = host_int32_view(cu_kv, {n});
+  cpu::check_prefill_metadata(host);
+}
+
 }  // namespace
 
 void mha_prefill(const MhaPrefillArgs& args, Stream stream) {
@@ -60,6 +77,7 @@ void mha_prefill(const MhaPrefillArgs& args, Stream stream) {
   check_rows_aligned("k", args.k);
   check_rows_aligned("v", args.v);
   check_rows_aligned("out", args.out);
+  if (args.check_metadata) check_metadata_on_host(args, to_cuda(stream));
 
   prefill::MhaPrefillParams p{};
   p.q = args.q.data;

@@ -1,0 +1,40 @@
+// Host copies of an op's small int32 metadata for its debug mode (`check_metadata`): the checks
+// of the CPU path then run on the copies, one set of rules and messages for both devices.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "cuda/cuda_check.hpp"
+
+namespace mla::cuda {
+
+// The copies wait for the stream, which a stream being captured into a CUDA graph cannot do.
+inline void require_not_capturing(const char* op, const char* what, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MLA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  MLA_CHECK(capture == cudaStreamCaptureStatusNone, op, ": check_metadata copies ", what,
+            " to the host and waits for them, which a stream being captured into a CUDA graph "
+            "cannot do; capture without it");
+}
+
+// rows x cols int32 values of `src` (rows src_pitch elements apart, each row contiguous) into a
+// packed host vector, queued on `stream`: valid once the stream has been synchronised.
+inline std::vector<int32_t> copy_int32_to_host(const TensorView& src, int64_t rows, int64_t cols,
+                                               int64_t src_pitch, cudaStream_t stream) {
+  std::vector<int32_t> dst(static_cast<size_t>(rows * cols));
+  if (!dst.empty()) {
+    MLA_CUDA_CHECK(cudaMemcpy2DAsync(dst.data(), size_t(cols) * sizeof(int32_t), src.data,
+                                     size_t(src_pitch) * sizeof(int32_t), size_t(cols) * sizeof(int32_t),
+                                     size_t(rows), cudaMemcpyDeviceToHost, stream));
+  }
+  return dst;
+}
+
+// A contiguous host view of such a copy.
+inline TensorView host_int32_view(std::vector<int32_t>& values, std::initializer_list<int64_t> shape) {
+  return TensorView::contiguous(values.data(), DType::kInt32, shape, Device::cpu());
+}
+
+}  // namespace mla::cuda
