@@ -232,7 +232,7 @@ def _check_host_lengths(name: str, lens: Any, bs: int, offset: int = 0) -> None:
         return
     if isinstance(lens, Tensor) and lens.device.type != "cpu":
         return
-    values = _host_list(lens, bs)
+    values = _host_list(lens, bs, name)
     lo, hi = min(values), max(values)
     if lo < 0 or hi + offset > _INT32_MAX:
         bad = lo if lo < 0 else hi
@@ -241,13 +241,14 @@ def _check_host_lengths(name: str, lens: Any, bs: int, offset: int = 0) -> None:
                          f"must be in [0, 2^31 - 1]")
 
 
-def _host_list(lens: Any, bs: int) -> Optional[List[int]]:
+def _host_list(lens: Any, bs: int, name: str) -> Optional[List[int]]:
     """The first bs host lengths as Python ints (engines pass lists or CPU tensors), or None."""
     if lens is None:
         return None
-    if isinstance(lens, Tensor):
-        return [int(x) for x in lens[:bs].tolist()]
-    return [int(x) for x in list(lens)[:bs]]
+    values = lens[:bs].tolist() if isinstance(lens, Tensor) else list(lens)[:bs]
+    if len(values) < bs:
+        raise ValueError(f"MlaBackend: {name} holds {len(values)} lengths for a batch of {bs}")
+    return [int(x) for x in values]
 
 
 def _extend_lens(forward_batch: Any, bs: int) -> Tensor:
@@ -296,6 +297,10 @@ class MlaBackend:
         largest batch at the full context: a larger value takes less memory); 0 runs unsplit.
         EXTEND's absorbed path stays unsplit (its row tiles fill the SMs).
     """
+
+    # The plans are built on the device from the device lengths; host lengths (seq_lens_cpu)
+    # only narrow the eager block table when the engine has them, so it need not copy them.
+    needs_cpu_seq_lens: bool = False
 
     def __init__(self, *, num_q_heads: int, page_size: int, req_to_token: Tensor,
                  token_to_kv_pool: Any, kv_cache_dtype: torch.dtype,
@@ -464,7 +469,8 @@ class MlaBackend:
         bs = int(forward_batch.batch_size)
         seq_lens = forward_batch.seq_lens[:bs]
         seq_lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
-        host_max = int(seq_lens_cpu[:bs].max()) if seq_lens_cpu is not None and bs > 0 else None
+        host_max = (max(_host_list(seq_lens_cpu, bs, "seq_lens_cpu"))
+                    if seq_lens_cpu is not None and bs > 0 else None)
         cu_q_lens = None
         q_len = max_q_len = 1
         # Keys a request attends = seq_lens + offset.
@@ -476,7 +482,7 @@ class MlaBackend:
             lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
             _check_host_lengths("extend_seq_lens_cpu", lens_cpu, bs)
             if lens_cpu is not None:
-                max_q_len = max(_host_list(lens_cpu, bs), default=0)
+                max_q_len = max(_host_list(lens_cpu, bs, "extend_seq_lens_cpu"), default=0)
             elif kind == _DRAFT_EXTEND and self.num_draft_tokens:
                 max_q_len = self.num_draft_tokens
             else:
@@ -505,20 +511,45 @@ class MlaBackend:
             raise ValueError("MlaBackend: EXTEND is planned from host lengths: "
                              "extend_seq_lens_cpu is required")
         # Host lengths come as lists or CPU tensors (e.g. extend_prefix_lens.cpu()).
-        prefix_given = getattr(forward_batch, "extend_prefix_lens_cpu", None)
-        _check_host_lengths("extend_prefix_lens_cpu", prefix_given, bs)
-        prefix_cpu = _host_list(prefix_given, bs) if prefix_given is not None else [0] * bs
+        _check_host_lengths("extend_seq_lens_cpu", lens_cpu, bs)
+        extend_cpu = _host_list(lens_cpu, bs, "extend_seq_lens_cpu")
+        prefix_cpu = self._host_prefix_lens(forward_batch, bs, extend_cpu)
         has_prefix = any(p > 0 for p in prefix_cpu)
         use_chunked = has_prefix and not self.disable_chunked_prefix_cache
-        # (extend_seq_lens_cpu is checked by the absorbed plan below)
         md = PrefillMetadata(bs, _cu_lens(_extend_lens(forward_batch, bs)),
-                             max(_host_list(lens_cpu, bs), default=0), has_prefix, use_chunked)
+                             max(extend_cpu, default=0), has_prefix, use_chunked)
         # The absorbed path serves prefixes when chunking is off, and any engine that calls
         # forward_extend with the absorbed (576-wide) layer.
         md.absorbed = self._plan_absorbed(forward_batch, _EXTEND)
         if use_chunked and getattr(forward_batch, "prefix_chunk_cu_seq_lens", None) is None:
             self._plan_prefix_chunks(forward_batch, prefix_cpu)
         return md
+
+    @staticmethod
+    def _host_prefix_lens(forward_batch: Any, bs: int, extend_cpu: List[int]) -> List[int]:
+        """The cached prefix of each request of an EXTEND batch, from extend_prefix_lens_cpu or
+        else seq_lens_cpu - extend_seq_lens_cpu, checked against both where both are given: a
+        prefix taken as 0 by mistake would attend the new tokens alone without an error."""
+        prefix_given = getattr(forward_batch, "extend_prefix_lens_cpu", None)
+        _check_host_lengths("extend_prefix_lens_cpu", prefix_given, bs)
+        seq_given = getattr(forward_batch, "seq_lens_cpu", None)
+        _check_host_lengths("seq_lens_cpu", seq_given, bs)
+        seq_cpu = _host_list(seq_given, bs, "seq_lens_cpu")
+        if prefix_given is not None:
+            prefix_cpu = _host_list(prefix_given, bs, "extend_prefix_lens_cpu")
+        elif seq_cpu is not None:
+            prefix_cpu = [n - e for n, e in zip(seq_cpu, extend_cpu)]
+        else:
+            raise ValueError("MlaBackend: EXTEND needs each request's cached prefix on the host: "
+                             "extend_prefix_lens_cpu, or seq_lens_cpu (prefix = seq_lens - "
+                             "extend_seq_lens)")
+        if seq_cpu is not None:
+            for b, (p, e, n) in enumerate(zip(prefix_cpu, extend_cpu, seq_cpu)):
+                if p < 0 or p + e != n:
+                    raise ValueError(
+                        f"MlaBackend: request {b} of the EXTEND batch has extend_prefix_lens "
+                        f"{p} + extend_seq_lens {e} != seq_lens {n} (host lengths)")
+        return prefix_cpu
 
     def _chunk_ranges(self, prefix_cpu: List[int]) -> List[Tuple[List[int], List[int]]]:
         """(starts, lens) per request of each prefix chunk. Default: each request gets
@@ -726,6 +757,10 @@ class MlaBackend:
         else:
             self.init_forward_metadata_replay_cuda_graph(*args, **extra)
 
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        """Inside a captured region nothing is left to plan: capture and replay fill the graph's
+        buffers (init_forward_metadata_out_graph)."""
+
     # ---- forward --------------------------------------------------------------------------------
 
     def _decode_metadata(self, forward_batch: Any, kind: str) -> DecodeMetadata:
@@ -752,7 +787,8 @@ class MlaBackend:
 
     def _absorbed(self, q: Tensor, k: Optional[Tensor], layer: Any, forward_batch: Any,
                   save_kv_cache: bool, q_rope: Optional[Tensor], k_rope: Optional[Tensor],
-                  cos_sin_cache: Optional[Tensor], is_neox: bool, kind: str) -> Tensor:
+                  cos_sin_cache: Optional[Tensor], is_neox: bool, kind: str,
+                  llama_4_scaling: Optional[Tensor] = None) -> Tensor:
         md = self._decode_metadata(forward_batch, kind)
         num_heads = layer.tp_q_head_num
         num_tokens = q.shape[0]
@@ -797,7 +833,8 @@ class MlaBackend:
                 q_dtype = torch.float8_e4m3fn if fp8 else self.data_type
                 query, k_rot_nope, k_rot_pe = ops.rope_quantize(
                     q_nope, q_pe, cos_sin_cache, forward_batch.positions,
-                    k_nope=k_nope if k_pe is not None else None, k_pe=k_pe,
+                    k_nope=k_nope if k_pe is not None else None,
+                    k_pe=k_pe if k_nope is not None else None,
                     is_neox=bool(is_neox), q_out_dtype=q_dtype)
                 if k_rot_nope is not None:
                     k_nope, k_pe = k_rot_nope, k_rot_pe
@@ -807,6 +844,15 @@ class MlaBackend:
                 q_nope = q_pe = None
             elif q_nope.dtype != self.data_type:
                 q_nope, q_pe = q_nope.to(self.data_type), q_pe.to(self.data_type)
+        if llama_4_scaling is not None:
+            # A per-token factor on the query (Llama-4-style attention scaling), in the model
+            # dtype, as the engine's model code computes it: [T, 1, 1] or one that broadcasts.
+            if query is not None:
+                scaled = query.to(self.q_data_type) * llama_4_scaling
+                query = _saturate_fp8(scaled) if fp8 else scaled.to(query.dtype)
+            else:
+                q_nope = (q_nope.to(self.q_data_type) * llama_4_scaling).to(q_nope.dtype)
+                q_pe = (q_pe.to(self.q_data_type) * llama_4_scaling).to(q_pe.dtype)
         if save_kv_cache:
             if k_nope is None or k_pe is None:
                 raise ValueError("MlaBackend: save_kv_cache needs k (c_kv [T, 512] with k_rope "
@@ -824,19 +870,22 @@ class MlaBackend:
     def forward_decode(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], layer: Any,
                        forward_batch: Any, save_kv_cache: bool = True,
                        q_rope: Optional[Tensor] = None, k_rope: Optional[Tensor] = None,
-                       cos_sin_cache: Optional[Tensor] = None, is_neox: bool = False) -> Tensor:
+                       cos_sin_cache: Optional[Tensor] = None, is_neox: bool = False,
+                       llama_4_scaling: Optional[Tensor] = None) -> Tensor:
         """Absorbed attention for DECODE (and IDLE). q: [T, H * 512] absorbed q_nope with q_rope
         [T, H * 64], or [T, H * 576] merged; k: [T, 512] c_kv and k_rope [T, 64] of the new
         tokens (saved at out_cache_loc when save_kv_cache). With cos_sin_cache, RoPE is applied
-        to q_rope and k_rope here. Returns [T, H * 512] in the model dtype."""
+        to q_rope and k_rope here. llama_4_scaling, when given, multiplies the query (after RoPE)
+        per token. Returns [T, H * 512] in the model dtype."""
         kind = mode_kind(forward_batch.forward_mode)
         return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope,
-                              cos_sin_cache, is_neox, kind)
+                              cos_sin_cache, is_neox, kind, llama_4_scaling)
 
     def forward_extend(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], layer: Any,
                        forward_batch: Any, save_kv_cache: bool = True,
                        q_rope: Optional[Tensor] = None, k_rope: Optional[Tensor] = None,
-                       cos_sin_cache: Optional[Tensor] = None, is_neox: bool = False):
+                       cos_sin_cache: Optional[Tensor] = None, is_neox: bool = False,
+                       llama_4_scaling: Optional[Tensor] = None):
         """TARGET_VERIFY, DRAFT_EXTEND and EXTEND with the absorbed layer (head_dim 576): as
         forward_decode. EXTEND with the MHA layer (head_dim 192): q, k [T, H * 192] and v
         [T, H * 128] of the new tokens (the engine saves the latent kv itself; pass
@@ -846,7 +895,7 @@ class MlaBackend:
         kind = mode_kind(forward_batch.forward_mode)
         if kind in (_VERIFY, _DRAFT_EXTEND, _DECODE, _IDLE) or layer.head_dim == self.kv_cache_dim:
             return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope,
-                                  cos_sin_cache, is_neox, kind)
+                                  cos_sin_cache, is_neox, kind, llama_4_scaling)
         if save_kv_cache:
             raise ValueError("MlaBackend: the MHA prefill path gets per-head k and v, not the "
                              "latent kv; save the latent kv (save_latent_kv) and pass "
@@ -859,6 +908,8 @@ class MlaBackend:
             k = torch.cat([k.view(-1, num_heads, ops.QK_NOPE_HEAD_DIM),
                            k_rope.view(-1, num_heads, ops.ROPE_DIM)], dim=-1)
         q = q.view(-1, num_heads, ops.QK_HEAD_DIM)
+        if llama_4_scaling is not None:
+            q = (q.to(self.q_data_type) * llama_4_scaling).to(q.dtype)
         k = k.view(-1, num_heads, ops.QK_HEAD_DIM)
         v = v.view(-1, num_heads, ops.V_HEAD_DIM)
         scales = dict(q_scale=1.0, k_scale=1.0, v_scale=1.0)
@@ -958,6 +1009,8 @@ class MlaMultiStepDraftBackend:
     convention), 1 when it counts only the verified tokens (as SGLang's EAGLE worker passes it).
     """
 
+    needs_cpu_seq_lens: bool = False  # as MlaBackend
+
     def __init__(self, speculative_num_steps: int, topk: int = 1, step_base: int = 0,
                  **backend_kwargs):
         if topk != 1:
@@ -1047,3 +1100,6 @@ class MlaMultiStepDraftBackend:
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         """Capture (in_capture) or replay of every step's decode plan from the batch object."""
         self._each(forward_batch, in_capture, int(forward_batch.batch_size))
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        """Nothing to plan inside a captured region (see MlaBackend)."""

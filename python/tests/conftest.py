@@ -41,13 +41,6 @@ def device(request):
 _NOT_IMPLEMENTED = {}
 
 
-def skip_if_not_implemented(err: BaseException) -> None:
-    """Ops still being written throw 'not implemented yet': skip, saying so."""
-    if "not implemented yet" in str(err):
-        pytest.skip(f"op not implemented yet in this build: {err}")
-    raise err
-
-
 @pytest.fixture
 def gen():
     g = torch.Generator()

@@ -524,6 +524,94 @@ def test_forward_entry_and_verify_hooks():
     backend.update_verify_buffers_to_fill_after_draft(None, None)
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_llama_4_scaling_multiplies_the_query(split):
+    """llama_4_scaling (the keyword an engine passes with the rope arguments, often None) scales
+    each token's query: the same result as the query scaled by the caller; None changes nothing."""
+    layer = AttentionLayer(0, 4, 576, 512, 0.1)
+    q_nope, q_pe, c_kv, k_pe = rope_decode_inputs()
+    scaling = torch.tensor([0.5, 3.0]).view(2, 1, 1)
+    bf = torch.bfloat16
+    results = []
+    for given in (None, scaling, "pre"):
+        backend, r2t = make_backend()
+        fb = decode_with_slots(r2t, [0, 1], [5, 9])
+        backend.init_forward_metadata(fb)
+        qn, qp = q_nope, q_pe
+        if isinstance(given, str):  # scaled by the caller instead
+            qn, qp = (q_nope.float() * scaling).to(bf), (q_pe.float() * scaling).to(bf)
+        kw = dict(llama_4_scaling=None if isinstance(given, str) else given)
+        if split:
+            out = backend.forward_decode(qn.reshape(2, -1), c_kv, None, layer, fb,
+                                         q_rope=qp.reshape(2, -1), k_rope=k_pe, **kw)
+        else:
+            out = backend.forward(torch.cat([qn, qp], -1).reshape(2, -1), c_kv, None, layer,
+                                  fb, k_rope=k_pe, **kw)
+        results.append(out)
+    assert torch.equal(results[1], results[2])
+    assert not torch.equal(results[0], results[1])
+
+
+def test_rope_without_k_runs_attention():
+    """k_rope without k (nothing to save): RoPE of the query only, attention runs."""
+    layer = AttentionLayer(0, 4, 576, 512, 0.1)
+    q_nope, q_pe, c_kv, k_pe = rope_decode_inputs()
+    backend, r2t = make_backend()
+    fb = decode_with_slots(r2t, [0, 1], [5, 9])
+    backend.init_forward_metadata(fb)
+    out = backend.forward_decode(q_nope.reshape(2, -1), None, None, layer, fb, save_kv_cache=False,
+                                 q_rope=q_pe.reshape(2, -1), k_rope=k_pe,
+                                 cos_sin_cache=make_cos_sin_cache(64), is_neox=True)
+    assert out.shape == (2, 4 * 512) and torch.isfinite(out).all()
+
+
+def test_in_graph_hook_and_host_lengths_flag():
+    """The engine's graph runner calls init_forward_metadata_in_graph inside a capture and reads
+    needs_cpu_seq_lens: nothing to plan there, no host lengths needed."""
+    backend, r2t = make_backend()
+    assert MlaBackend.needs_cpu_seq_lens is False and MlaMultiStepDraftBackend.needs_cpu_seq_lens is False
+    fb = batch(ForwardMode.DECODE, [0, 1], [5, 9])
+    backend.init_forward_metadata(fb)
+    md = backend.forward_decode_metadata
+    backend.init_forward_metadata_in_graph(fb)
+    assert backend.forward_decode_metadata is md
+    drafter = MlaMultiStepDraftBackend(speculative_num_steps=2, num_q_heads=4, page_size=PAGE,
+                                       req_to_token=backend.req_to_token,
+                                       token_to_kv_pool=backend.token_to_kv_pool,
+                                       kv_cache_dtype=torch.bfloat16)
+    drafter.init_forward_metadata_in_graph(fb)
+
+
+def test_extend_prefix_from_host_lengths():
+    """EXTEND takes each request's cached prefix from extend_prefix_lens_cpu, or else from
+    seq_lens_cpu - extend_seq_lens_cpu; lengths that disagree, or no host prefix at all, are an
+    error (a prefix taken as 0 would attend the new tokens alone)."""
+    backend, r2t = make_backend(chunked_prefix_capacity=6)
+    fb = batch(ForwardMode.EXTEND, [0, 1], [9, 3], extend=[2, 3], prefix=None)
+    backend.init_forward_metadata(fb)  # prefix 7 and 0 from seq_lens_cpu
+    md = backend.forward_prefill_metadata
+    assert md.has_prefix and md.use_chunked_prefix
+    cu = fb.prefix_chunk_cu_seq_lens
+    assert sum(int(c[1] - c[0]) for c in cu) == 7 and all(int(c[2] - c[1]) == 0 for c in cu)
+    fb = batch(ForwardMode.EXTEND, [0, 1], [9, 3], extend=[2, 3], prefix=[6, 0])
+    with pytest.raises(ValueError, match=r"request 0 .* extend_prefix_lens 6 \+ extend_seq_lens 2 "
+                                         r"!= seq_lens 9"):
+        backend.init_forward_metadata(fb)
+    assert backend.forward_prefill_metadata is None
+    fb = batch(ForwardMode.EXTEND, [0, 1], [9, 3], extend=[2, 3], prefix=None)
+    fb.seq_lens_cpu = None
+    with pytest.raises(ValueError, match="extend_prefix_lens_cpu, or seq_lens_cpu"):
+        backend.init_forward_metadata(fb)
+    fb = batch(ForwardMode.EXTEND, [0, 1], [9, 3], extend=[2, 3], prefix=[7])
+    with pytest.raises(ValueError, match="extend_prefix_lens_cpu holds 1 lengths for a batch of 2"):
+        backend.init_forward_metadata(fb)
+    # seq_lens_cpu as a list
+    fb = batch(ForwardMode.DECODE, [0, 1], [9, 3])
+    fb.seq_lens_cpu = [9, 3]
+    backend.init_forward_metadata(fb)
+    assert backend.forward_decode_metadata.block_table.shape == (2, 3)
+
+
 def test_bad_inputs_name_the_argument():
     backend, r2t = make_backend()
     layer = AttentionLayer(0, 4, 576, 512, 0.1)
