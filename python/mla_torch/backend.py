@@ -858,8 +858,11 @@ class MlaBackend:
                 raise ValueError("MlaBackend: save_kv_cache needs k (c_kv [T, 512] with k_rope "
                                  "[T, 64], or the whole latent [T, 576])")
             ops.append_latent_kv(k_nope, k_pe, forward_batch.out_cache_loc, kv_cache, k_scale)
-        out = torch.empty((num_tokens, num_heads, self.kv_lora_rank), dtype=self.q_data_type,
-                          device=q.device)
+        # DRAFT_EXTEND's graphs run num_draft_tokens query rows a request while the kernel
+        # attends the accepted ones (cu_q_lens from accept_length): the rows past them are 0.
+        new_out = torch.zeros if kind == _DRAFT_EXTEND else torch.empty
+        out = new_out((num_tokens, num_heads, self.kv_lora_rank), dtype=self.q_data_type,
+                      device=q.device)
         ws = self._workspace(md, kind) if self.use_split_kv else {}
         ops.mla_decode(kv_cache, md.block_table, md.kv_lens, layer.scaling, q=query, q_nope=q_nope,
                        q_pe=q_pe, cu_q_lens=md.cu_q_lens, q_len=md.q_len or 1,

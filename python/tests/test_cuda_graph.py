@@ -4,6 +4,7 @@ lengths, new requests and new pages give what an eager run of the same batch giv
 replay (metadata update + graph launch) allocates no memory."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -128,3 +129,73 @@ def test_capture_and_replay(kv_dtype, mode):
             assert not torch.isnan(got.float()).any()
             # Split schedules differ (graph: full-width bound), so allow bf16 rounding.
             assert_close(got, want.double(), 2e-2, 2e-2, f"{mode.name} bs {bs} replay {replay}")
+
+
+def test_draft_extend_graph_packs_accepted_queries():
+    """DRAFT_EXTEND captured at num_draft_tokens query rows a request and replayed with each
+    request's accepted tokens (spec_info.accept_length, packed at the front): those rows equal an
+    eager run of the same batch, the rows past them are 0 (their NaN inputs are never read), and
+    the replay allocates nothing."""
+    gen = torch.Generator().manual_seed(13)
+    eng = Engine(torch.bfloat16, gen)
+    backend = eng.backend
+    mode = ForwardMode.DRAFT_EXTEND
+    bs = 8
+    tokens = bs * DRAFT
+    backend.init_cuda_graph_state(MAX_BS, MAX_BS * DRAFT)
+    req_buf = torch.zeros(bs, dtype=torch.int64, device="cuda")
+    len_buf = torch.full((bs,), DRAFT, dtype=torch.int64, device="cuda")
+    loc_buf = torch.full((tokens,), -1, dtype=torch.int64, device="cuda")
+    accept_buf = torch.full((bs,), DRAFT, dtype=torch.int32, device="cuda")
+    spec = SimpleNamespace(draft_token_num=DRAFT, accept_length=accept_buf)
+    bufs = [torch.zeros_like(t) for t in eng.inputs(tokens)]
+    fb = ForwardBatch(forward_mode=mode, batch_size=bs, req_pool_indices=req_buf,
+                      seq_lens=len_buf, out_cache_loc=loc_buf, spec_info=spec)
+    backend.init_forward_metadata_capture_cuda_graph(bs, tokens, req_buf, len_buf, None, mode, spec)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph
+        forward(backend, eng.layer, mode, fb, *bufs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = forward(backend, eng.layer, mode, fb, *bufs)
+
+    for replay in range(2):
+        reqs, lens, locs = eng.new_batch(bs, DRAFT, 700)
+        accept = torch.randint(1, DRAFT + 1, (bs,), generator=gen)
+        accept[1] = 1  # at least one padded row
+        total = int(accept.sum())
+        kept = torch.cat([locs[b * DRAFT:b * DRAFT + int(accept[b])] for b in range(bs)])
+        new_inputs = eng.inputs(total)
+        req_buf.copy_(reqs)
+        len_buf.copy_(lens + accept)
+        accept_buf.copy_(accept)
+        loc_buf.fill_(-1)
+        loc_buf[:total].copy_(kept)
+        for buf, new in zip(bufs, new_inputs):
+            buf[:total].copy_(new)
+            buf[total:].fill_(float("nan"))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()
+        backend.init_forward_metadata_replay_cuda_graph(bs, req_buf, len_buf, -1, None, mode, spec)
+        graph.replay()
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_stats()
+        assert after["allocation.all.allocated"] == before["allocation.all.allocated"]
+        got = graph_out.clone()
+        assert torch.equal(got[total:], torch.zeros_like(got[total:])), f"replay {replay}"
+
+        seq = lens + accept
+        eager_fb = ForwardBatch(forward_mode=mode, batch_size=bs, req_pool_indices=reqs.cuda(),
+                                seq_lens=seq.cuda(), seq_lens_cpu=seq,
+                                extend_seq_lens=accept.to(torch.int32).cuda(),
+                                extend_seq_lens_cpu=accept.tolist(), out_cache_loc=kept.cuda(),
+                                spec_info=spec)
+        eager = MlaBackend(num_q_heads=HEADS, page_size=PAGE, req_to_token=eng.req_to_token,
+                           token_to_kv_pool=eng.pool, kv_cache_dtype=torch.bfloat16,
+                           num_draft_tokens=DRAFT)
+        eager.init_forward_metadata(eager_fb)
+        want = forward(eager, eng.layer, mode, eager_fb, *new_inputs)
+        assert not torch.isnan(got.float()).any()
+        assert_close(got[:total], want.double(), 2e-2, 2e-2, f"DRAFT_EXTEND replay {replay}")
