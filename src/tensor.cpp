@@ -1,6 +1,7 @@
 #include "mla/tensor.hpp"
 
 #include <array>
+#include <cstdint>
 #include <cstdlib>
 
 #include "mla/error.hpp"
@@ -113,6 +114,17 @@ void inner_contiguous(const char* op, const char* arg, const TensorView& t) {
   MLA_CHECK(t.ndim == 0 || t.shape[t.ndim - 1] <= 1 || t.stride[t.ndim - 1] == 1, op, ": ", arg,
             " must have a contiguous last dimension (stride 1), got stride ",
             t.stride[t.ndim - 1]);
+}
+
+void rows_aligned16(const char* op, const char* arg, const TensorView& t, const char* where) {
+  const int64_t esize = int64_t(dtype_size(t.dtype));
+  const auto address = reinterpret_cast<uintptr_t>(t.data);
+  MLA_CHECK(address % 16 == 0, op, ": ", arg, " must be 16-byte aligned ", where, ", got address ",
+            t.data, " (", t.describe(), ")");
+  for (int d = 0; d < t.ndim - 1; ++d)
+    MLA_CHECK(t.shape[d] <= 1 || (t.stride[d] * esize) % 16 == 0, op, ": ", arg, ".stride[", d,
+              "] must be a multiple of 16 bytes (", 16 / esize, " elements) ", where, ", got ",
+              t.stride[d], " (", t.describe(), ")");
 }
 
 void non_overlapping(const char* op, const char* arg, const TensorView& t) {

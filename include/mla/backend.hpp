@@ -156,9 +156,15 @@ struct MhaAttentionArgs {
 
 // Up-projects the latent entries of a prefix chunk (forward_extend_chunked):
 //   latent [N, 576] in the cache dtype, as stored (times layer.k_scale for an fp8 cache);
-//   k [N, H, 192] (k_nope from W_UK | k_pe) and v [N, H, 128] (from W_UV) in q_dtype, to fill.
+//   k [N, H, 192] (k_nope from W_UK | k_pe) and v [N, H, 128] (from W_UV) in q_dtype, to fill;
+//   for an fp8 q_dtype stored as value / k_scale and value / v_scale of the new tokens'
+//   MhaAttentionArgs (the scales the chunk's attention applies, so that its LSE and the new
+//   tokens' merge on one scale).
+//   stream: the backend's stream. The latents are gathered on it and k and v are read on it
+//   after the call, into buffers the next chunk reuses: enqueue the projection on `stream`
+//   (or synchronise it before reading the latents and before returning).
 using UpProjectFn = std::function<void(int chunk_idx, const TensorView& latent,
-                                       const TensorView& k, const TensorView& v)>;
+                                       const TensorView& k, const TensorView& v, Stream stream)>;
 
 class MultiStepDraftBackend;
 

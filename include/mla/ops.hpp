@@ -38,7 +38,8 @@ constexpr float kFp8E4M3Max = 448.0f;
 //    the cache dtype. For an fp8 cache the stored value is saturate_fp8(x / k_scale), so that
 //    stored * k_scale approximates x. loc -1 skips that token (padding). Any other value outside
 //    [0, P*S) is an error on the CPU (nothing is written); the CUDA kernel cannot report without
-//    a host sync, so it skips such tokens and never writes out of bounds.
+//    a host sync, so it skips such tokens and never writes out of bounds. Two tokens with one slot
+//    race: the CPU path keeps the later one, the GPU may store a mix of both rows' 16-byte chunks.
 struct AppendLatentKvArgs {
   TensorView k_nope;    // [T, 512] bf16/fp16/fp32, inner stride 1
   TensorView k_pe;      // [T, 64]  same dtype as k_nope, inner stride 1
@@ -60,7 +61,7 @@ struct BuildBlockTableArgs {
   TensorView req_pool_indices;  // [B] int32 or int64, each in [0, R)
   TensorView seq_lens;          // [B] int32 or int64, each >= 0
   int page_size = 64;           // S
-  TensorView block_table;       // [B, max_blocks] int32, output
+  TensorView block_table;       // [B, max_blocks] int32, output (no two entries at one address)
 };
 void build_block_table(const BuildBlockTableArgs& args, Stream stream = nullptr);
 
@@ -73,7 +74,9 @@ void build_block_table(const BuildBlockTableArgs& args, Stream stream = nullptr)
 //    NeoX: pairs (i, i + 32); interleaved (GPT-J): pairs (2i, 2i + 1). For pair (x1, x2) with
 //    angle index i: x1' = x1 cos_i - x2 sin_i, x2' = x2 cos_i + x1 sin_i.
 //    A position outside [0, max_position) throws on the CPU; on the GPU that token's query rows
-//    and key row are written NaN.
+//    and key row are written NaN. No output element may share an address with another
+//    (check::non_overlapping) or with an input: an in-place call is not supported (the GPU reads
+//    a pair's partner while other threads write).
 enum class RopeStyle : uint8_t { kNeox, kInterleaved };
 struct RopeQuantizeArgs {
   TensorView q_nope;         // [T, H, 512] bf16/fp16/fp32, inner stride 1
@@ -86,8 +89,8 @@ struct RopeQuantizeArgs {
   TensorView q_out;          // [T, H, 576] bf16/fp16/fp8e4m3, inner stride 1
   TensorView k_nope_out;     // [T, 512] bf16/fp16/fp8e4m3 (with k_nope)
   TensorView k_pe_out;       // [T, 64]  same dtype as k_nope_out
-  float q_scale = 1.0f;      // used when q_out is fp8
-  float k_scale = 1.0f;      // used when the k outputs are fp8
+  float q_scale = 1.0f;      // used when q_out is fp8 (checked > 0 and finite in every call)
+  float k_scale = 1.0f;      // used when the k outputs are fp8 (likewise)
 };
 void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
 
@@ -98,6 +101,9 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
 //    rows [b*q_len, (b+1)*q_len)). kv_lens[b] counts the cached tokens including the new ones.
 //    Causal rule: query i of request b (q_len_b rows) sees keys 0 .. kv_lens[b] - q_len_b + i.
 //    A query that sees no key (kv_len < q_len, or kv_len 0) outputs 0 with lse -inf.
+//    Non-finite cache values: the CPU path skips the keys a row must not see; the GPU kernels
+//    give such a key the weight 0 inside a tile that other rows read, and 0 x inf is NaN, so an
+//    inf or NaN in one of a request's new tokens can make its earlier queries' rows NaN there.
 //    Key j of request b is kv_cache[block_table[b, j / S], j % S, 0:576]; value is its first 512.
 //
 //    score = (q · k) * softmax_scale * q_scale * k_scale    (q_scale only for fp8 queries,
@@ -171,6 +177,8 @@ const char* mla_decode_kernel_name(const MlaDecodeArgs& args);
 //    cu_kv_lens[b+1]). Causal is bottom-right aligned: query i of a request with q_len and kv_len
 //    sees keys 0 .. kv_len - q_len + i. Rows that see no key output 0 with lse -inf.
 //    score = (q · k) * softmax_scale * q_scale * k_scale; out = softmax(score) · v * v_scale.
+//    As in mla_decode, an inf or NaN in a key or value that a causal row must not see is skipped
+//    on the CPU and can make that row NaN on the GPU (weight 0 times inf).
 //    The CPU path checks the offsets and throws. On the GPU they are device data read by the
 //    kernel: each is clamped to [0, Tq] / [0, Tk] (a request whose end precedes its start has no
 //    rows), so a bad one never reads or writes outside the tensors (it can still mix or overwrite

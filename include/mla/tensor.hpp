@@ -72,6 +72,9 @@ void contiguous(const char* op, const char* arg, const TensorView& t);
 // or rows laid over each other, would let one element's result overwrite another's).
 void non_overlapping(const char* op, const char* arg, const TensorView& t);
 void same_device(const char* op, const char* arg, const TensorView& t, Device expected);
+// Rows of 16-byte chunks (the GPU kernels' copies): the base address and every stride but the
+// last (over a dim of more than one element) a multiple of 16 bytes. `where` says who needs it.
+void rows_aligned16(const char* op, const char* arg, const TensorView& t, const char* where);
 }  // namespace check
 
 }  // namespace mla

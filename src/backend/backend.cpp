@@ -743,8 +743,20 @@ void Backend::Impl::check_mha(const char* op, const MhaAttentionArgs& args, int6
   check_heads_operand(op, "args.k", args.k, num_kv, keys, 192, qk_dim, config.q_dtype);
   check_heads_operand(op, "args.v", args.v, num_kv, keys, 128, "v head dim", config.q_dtype);
   check_heads_operand(op, "args.out", args.out, num_q, tokens, 128, "v head dim", config.out_dtype);
+  // What mha_prefill (or, with a prefix, the last merge) asks of the outputs, checked before any
+  // work and under the caller's names, whether or not the batch has a prefix.
+  check::inner_contiguous(op, "args.out", args.out);
+  check::non_overlapping(op, "args.out", args.out);
+  if (config.device.type == DeviceType::kCUDA) {
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"args.q", &args.q},
+                                  {"args.k", &args.k}, {"args.v", &args.v}, {"args.out", &args.out}})
+      check::rows_aligned16(op, name, *t, "on the GPU (mha_prefill's 16-byte copies)");
+  }
   MLA_CHECK(!lse_required || !args.lse.empty(), op, ": args.lse is required");
-  if (!args.lse.empty()) check_lse(op, args.lse, num_q, "tokens, as args.q");
+  if (!args.lse.empty()) {
+    check_lse(op, args.lse, num_q, "tokens, as args.q");
+    check::non_overlapping(op, "args.lse", args.lse);
+  }
 }
 
 void Backend::Impl::check_chunk_index(const char* op, int chunk_idx) const {
@@ -1018,7 +1030,7 @@ void Backend::forward_extend_chunked(const ForwardBatch& batch, const LayerParam
     MhaAttentionArgs chunk_args = new_tokens;
     chunk_args.k = detail::first_rows(k, n);
     chunk_args.v = detail::first_rows(v, n);
-    up_project(int(c), chunk_latent, chunk_args.k, chunk_args.v);
+    up_project(int(c), chunk_latent, chunk_args.k, chunk_args.v, stream);
     s.run_prefix_chunk_attention(op, int(c), layer, chunk_args, part_out, part_lse, stream);
     const bool last = c + 1 == chunks.size();
     MergeStatesArgs merge;

@@ -34,6 +34,7 @@ void build_block_table(const BuildBlockTableArgs& args, Stream stream) {
   check::dim(op, "block_table", args.block_table, 0, batch_size, "requests, as req_pool_indices");
   check::dtype(op, "block_table", args.block_table, DType::kInt32);
   check::inner_contiguous(op, "block_table", args.block_table);
+  check::non_overlapping(op, "block_table", args.block_table);
 
   const Device device = detail::common_device(
       op, {{"req_to_token", &args.req_to_token}, {"req_pool_indices", &args.req_pool_indices},

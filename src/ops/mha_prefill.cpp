@@ -71,13 +71,13 @@ void mha_prefill(const MhaPrefillArgs& args, Stream stream) {
   const Device device = detail::common_device(
       op, {{"q", &args.q}, {"k", &args.k}, {"v", &args.v}, {"cu_q_lens", &args.cu_q_lens},
            {"cu_kv_lens", &args.cu_kv_lens}, {"out", &args.out}, {"lse", &args.lse}});
+  MLA_CHECK(batch > 0 || (num_q_tokens == 0 && num_kv_tokens == 0), op, ": q has ", num_q_tokens,
+            " tokens and k has ", num_kv_tokens, " but cu_q_lens describes no request");
+  if (batch == 0 || num_q_tokens == 0) return;  // nothing to compute: no bounds needed
   MLA_CHECK(device.type == DeviceType::kCPU || (args.max_q_len > 0 && args.max_kv_len > 0), op,
             ": max_q_len and max_kv_len must be given (> 0) on ", device_name(device),
             " (only the CPU derives them from the cumulative lengths), got ", args.max_q_len,
             " and ", args.max_kv_len);
-  MLA_CHECK(batch > 0 || (num_q_tokens == 0 && num_kv_tokens == 0), op, ": q has ", num_q_tokens,
-            " tokens and k has ", num_kv_tokens, " but cu_q_lens describes no request");
-  if (batch == 0 || num_q_tokens == 0) return;
   detail::run_on(op, device, [&] { cpu::mha_prefill(args); },
                  [&] {
 #if defined(MLA_WITH_CUDA)

@@ -38,6 +38,7 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream) {
   check::dim(op, "q_out", args.q_out, 2, kLatentDim, "kv_lora_rank 512 + rope 64");
   check::dtype_in(op, "q_out", args.q_out, output_dtypes);
   check::inner_contiguous(op, "q_out", args.q_out);
+  check::non_overlapping(op, "q_out", args.q_out);
 
   // Keys: all four k tensors are given together, or none of them. Each is [T, width], T as
   // q_nope, of one of `dtypes`, with a contiguous last dim.
@@ -52,15 +53,21 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream) {
       check::dtype_in(op, name, t, dtypes);
     check::inner_contiguous(op, name, t);
   };
+  // An output is written by many threads at once: two of its elements in one place race.
+  const auto check_key_output = [&](const char* name, const TensorView& t, int64_t width,
+                                    const char* width_what, std::initializer_list<DType> dtypes) {
+    check_key_tensor(name, t, width, width_what, dtypes);
+    check::non_overlapping(op, name, t);
+  };
   const bool with_k = !args.k_nope.empty();
   if (with_k) {
     check_key_tensor("k_nope", args.k_nope, kKvLoraRank, "kv_lora_rank", {input_dtype});
     MLA_CHECK(!args.k_pe.empty(), op, ": k_pe is required when k_nope is given");
     check_key_tensor("k_pe", args.k_pe, kRopeDim, "rope dim", {input_dtype});
     MLA_CHECK(!args.k_nope_out.empty(), op, ": k_nope_out is required when k_nope is given");
-    check_key_tensor("k_nope_out", args.k_nope_out, kKvLoraRank, "kv_lora_rank", output_dtypes);
+    check_key_output("k_nope_out", args.k_nope_out, kKvLoraRank, "kv_lora_rank", output_dtypes);
     MLA_CHECK(!args.k_pe_out.empty(), op, ": k_pe_out is required when k_nope is given");
-    check_key_tensor("k_pe_out", args.k_pe_out, kRopeDim, "rope dim", {args.k_nope_out.dtype});
+    check_key_output("k_pe_out", args.k_pe_out, kRopeDim, "rope dim", {args.k_nope_out.dtype});
   } else {
     MLA_CHECK(args.k_pe.empty(), op, ": k_pe is given but k_nope is not (give both or neither)");
     MLA_CHECK(args.k_nope_out.empty(), op,

@@ -944,7 +944,7 @@ Reference naive_mha(Pool& pool, const UpProjection& proj, const ExtendProblem& p
 // The model's up-projection callback: reads the gathered latents, writes k and v.
 UpProjectFn make_up_project(const UpProjection& proj, float k_scale, std::vector<int>* calls) {
   return [&proj, k_scale, calls](int chunk_idx, const TensorView& latent, const TensorView& k,
-                                 const TensorView& v) {
+                                 const TensorView& v, Stream) {
     if (calls) calls->push_back(chunk_idx);
     const int heads = proj.heads;
     std::vector<float> row(kLatentDim), k_row(size_t(heads) * 192), v_row(size_t(heads) * 128);
@@ -1139,7 +1139,7 @@ TEST(BackendExtend, StepByStepChunkedPathEqualsConvenience) {
           ASSERT_EQ(latent.get(n * kLatentDim + d), pool.latent[b][size_t(pos)][size_t(d)]);
     ASSERT_EQ(n, chunk.num_tokens);
     HostTensor k(DType::kFP16, {chunk.num_tokens, heads, 192}), v(DType::kFP16, {chunk.num_tokens, heads, 128});
-    up(c, latent.view(), k.view(), v.view());
+    up(c, latent.view(), k.view(), v.view(), nullptr);
     HostTensor part_out = nan_tensor(DType::kFP32, {p.num_tokens, heads, 128});
     HostTensor part_lse = nan_tensor(DType::kFP32, {p.num_tokens, heads});
     MhaAttentionArgs chunk_args = p.mha_args();
@@ -1539,6 +1539,23 @@ TEST(BackendErrors, BadBatchesAndForwardsNameTheArgument) {
   mha.q = wrong_q.view();
   EXPECT_TRUE(throws_error([&] { extender.forward_extend(e.batch(), layer, mha); }, {"args.q", "tokens"}));
   EXPECT_TRUE(throws_error([&] { extender.forward_extend_chunked(e.batch(), layer, e.mha_args(), nullptr); }, {"up_project"}));
+  {
+    // An output the new tokens' attention could not write (strided last dim, heads laid over
+    // each other) is named before any chunk is gathered or projected, prefix or not.
+    MhaAttentionArgs bad = e.mha_args();
+    HostTensor wide(bad.out.dtype, {e.num_tokens, heads, 256});
+    bad.out = TensorView::strided(wide.data(), bad.out.dtype, {e.num_tokens, heads, 128},
+                                  {heads * 256, 256, 2});
+    std::vector<int> calls;
+    EXPECT_TRUE(throws_error([&] {
+      extender.forward_extend_chunked(e.batch(), layer, bad, make_up_project(proj, 1.0f, &calls));
+    }, {"forward_extend_chunked", "args.out", "contiguous last dimension"}));
+    bad.out = TensorView::strided(wide.data(), bad.out.dtype, {e.num_tokens, heads, 128}, {256, 0, 1});
+    EXPECT_TRUE(throws_error([&] {
+      extender.forward_extend_chunked(e.batch(), layer, bad, make_up_project(proj, 1.0f, &calls));
+    }, {"forward_extend_chunked", "args.out", "overlap"}));
+    EXPECT_TRUE(calls.empty());
+  }
   // A workspace too small for the chunked path says how much is needed.
   BackendConfig tiny = small;
   tiny.workspace_bytes = 1024;

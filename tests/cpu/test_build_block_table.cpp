@@ -263,6 +263,9 @@ TEST(BuildBlockTable, BadArgumentsNameTheArgument) {
   expect_error([&](Fixture& f) {
     f.args.block_table = TensorView::strided(wide.data(), DType::kInt32, {2, 2}, {16, 3});
   }, {"block_table", "stride"});
+  expect_error([&](Fixture& f) {
+    f.args.block_table = TensorView::strided(wide.data(), DType::kInt32, {2, 2}, {0, 1});
+  }, {"block_table", "overlap"});
   expect_error([](Fixture& f) { f.args.block_table.device = mla::Device::cuda(0); },
                {"block_table", "cuda:0", "req_to_token", "cpu"});
   expect_error([](Fixture& f) { f.args.seq_lens.device = mla::Device::cuda(0); }, {"seq_lens", "cuda:0"});

@@ -431,6 +431,16 @@ TEST(RopeQuantize, BadArgumentsNameTheArgument) {
     f.args.k_nope_out = TensorView::strided(big2.data(), DType::kBF16, {T, kNope}, {2 * kEntry, 2});
   }, {"k_nope_out", "stride"});
   expect_error([](Fixture& f) { f.args.k_pe_out.shape[1] = 576; }, {"k_pe_out.shape[1]", "64"});
+  // Outputs whose elements share an address (heads laid over each other, a token stride of 0).
+  expect_error([&](Fixture& f) {
+    f.args.q_out = TensorView::strided(big.data(), DType::kBF16, {T, H, kEntry}, {H * 2 * kEntry, 0, 1});
+  }, {"q_out", "overlap", "stride[1]"});
+  expect_error([&](Fixture& f) {
+    f.args.k_nope_out = TensorView::strided(big2.data(), DType::kBF16, {T, kNope}, {0, 1});
+  }, {"k_nope_out", "overlap"});
+  expect_error([&](Fixture& f) {
+    f.args.k_pe_out = TensorView::strided(big2.data(), DType::kBF16, {T, kRope}, {32, 1});
+  }, {"k_pe_out", "overlap"});
   expect_error([&](Fixture& f) { f.args.k_pe_out = k_out_fp8.view(); }, {"k_pe_out", "bf16", "fp8e4m3"});
   expect_error([&](Fixture& f) {
     f.args.k_pe_out = TensorView::strided(big2.data(), DType::kBF16, {T, kRope}, {2 * kEntry, 2});

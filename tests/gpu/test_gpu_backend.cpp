@@ -976,12 +976,16 @@ struct ExtendCase {
   std::vector<int32_t> prefix, extend;
 };
 
-// The model's up-projection callback. On the GPU it waits for the gather, reads the latents back,
-// projects on the host and writes k and v in stream order. Records the gathered latents.
-UpProjectFn make_up_project(const UpProjection& proj, Pool& pool, bool gpu, cudaStream_t stream,
+// The model's up-projection callback. On the GPU it waits for the gather on the backend's stream
+// (the one the call was given), reads the latents back, projects on the host and writes k and v
+// in that stream's order. Records the gathered latents.
+UpProjectFn make_up_project(const UpProjection& proj, Pool& pool, bool gpu, cudaStream_t expected,
                             std::vector<HostTensor>& gathered) {
-  return [&proj, &pool, gpu, stream, &gathered](int chunk_idx, const TensorView& latent,
-                                                 const TensorView& k, const TensorView& v) {
+  return [&proj, &pool, gpu, expected, &gathered](int chunk_idx, const TensorView& latent,
+                                                   const TensorView& k, const TensorView& v,
+                                                   Stream given) {
+    const auto stream = static_cast<cudaStream_t>(given);
+    EXPECT_EQ(stream, expected);
     EXPECT_EQ(size_t(chunk_idx), gathered.size());
     EXPECT_TRUE(latent.is_contiguous() && k.is_contiguous() && v.is_contiguous());
     const int64_t n = latent.shape[0];

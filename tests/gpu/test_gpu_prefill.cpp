@@ -274,7 +274,8 @@ void run_gpu(const PrefillCase& c, PrefillBuffers& buf, HostTensor& out_gpu, Hos
   }
   a.max_q_len = (c.q_lens.empty() ? 0 : *std::max_element(c.q_lens.begin(), c.q_lens.end())) +
                 c.max_q_len_slack;
-  a.max_kv_len = std::max(1, c.kv_lens.empty() ? 0 : *std::max_element(c.kv_lens.begin(), c.kv_lens.end()));
+  a.max_kv_len = c.kv_lens.empty() ? 0 : *std::max_element(c.kv_lens.begin(), c.kv_lens.end());
+  if (a.max_q_len > 0) a.max_kv_len = std::max(a.max_kv_len, 1);  // a bound is then required
   if (c.cuda_graph) {
     EXPECT_TRUE(run_in_cuda_graph([&](Stream stream) { mla::mha_prefill(a, stream); }));
   } else {
@@ -440,7 +441,8 @@ TEST(MhaPrefillGpu, CapturedInCudaGraph) {
 
 TEST(MhaPrefillGpu, EmptyBatches) {
   MLA_REQUIRE_GPU();
-  // No requests (IDLE) and requests with no queries at all: nothing to do, nothing written.
+  // No requests (IDLE) and requests with no queries at all: nothing to do, and the exact bounds
+  // (max_q_len 0) are accepted; with queries, a bound of 0 is an error naming it.
   for (const std::vector<int>& q_lens : {std::vector<int>{}, std::vector<int>{0, 0}}) {
     PrefillCase c;
     c.q_lens = q_lens;
@@ -449,9 +451,16 @@ TEST(MhaPrefillGpu, EmptyBatches) {
     PrefillBuffers buf;
     make_buffers(c, buf);
     HostTensor out_gpu, lse_gpu;
-    c.max_q_len_slack = 1;
     EXPECT_NO_THROW(run_gpu(c, buf, out_gpu, lse_gpu));
   }
+  PrefillCase c;
+  c.q_lens = {2, 1};
+  c.kv_lens = {3, 3};
+  c.max_q_len_slack = -2;  // a bound of 0
+  PrefillBuffers buf;
+  make_buffers(c, buf);
+  HostTensor out_gpu, lse_gpu;
+  EXPECT_TRUE(throws_error([&] { run_gpu(c, buf, out_gpu, lse_gpu); }, {"mha_prefill", "max_q_len"}));
 }
 
 // Sampled rows of one long request against the float64 naive (the CPU implementation would be

@@ -1,7 +1,7 @@
 // Building blocks for the memory-bound element-wise kernels (append_latent_kv, rope_quantize,
 // merge_states): element types per DType, conversions bit-exact with the CPU path, 16-byte
 // vectorised chunk loads/stores with a scalar fallback, index loads, and the host-side launch
-// helpers (device guard, alignment test, dtype dispatch, grid size).
+// helpers (alignment test, dtype dispatch, grid size; the device guard is in cuda_check.hpp).
 //
 // Conversions (identical to mla/dtype.hpp on the CPU):
 //   float -> bf16  __float2bfloat16_rn        float -> fp16  __float2half_rn

@@ -20,14 +20,7 @@ constexpr int64_t kMaxTokens = INT32_MAX - 64;
 // The kernel copies 16-byte chunks: the base pointer and every token and head step must keep
 // rows 16-byte aligned.
 void check_rows_aligned(const char* arg, const TensorView& t) {
-  const int64_t esize = int64_t(dtype_size(t.dtype));
-  const auto address = reinterpret_cast<uintptr_t>(t.data);
-  MLA_CHECK(address % 16 == 0, kOp, ": ", arg, " must be 16-byte aligned on the GPU, got address ",
-            t.data, " (", t.describe(), ")");
-  for (int d = 0; d < t.ndim - 1; ++d)
-    MLA_CHECK(t.shape[d] <= 1 || (t.stride[d] * esize) % 16 == 0, kOp, ": ", arg, ".stride[", d,
-              "] must be a multiple of 16 bytes (", 16 / esize, " elements) on the GPU, got ",
-              t.stride[d], " (", t.describe(), ")");
+  check::rows_aligned16(kOp, arg, t, "on the GPU");
 }
 
 prefill::OutKind out_kind_of(DType dtype) {
