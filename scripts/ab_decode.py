@@ -64,6 +64,7 @@ def main():
 
     best = {}  # (case index, kernel) -> {tag: (time_us, verified)}
     failed = {}  # (case index, tag) -> runs that exited non-zero (crash, timeout, unverified row)
+    done = {}  # (case index, tag) -> runs started (fewer than --rounds after the deadline)
     ok = True
     started = time.monotonic()
     runs = [(rnd, ci, case, build) for rnd in range(1, a.rounds + 1)
@@ -73,6 +74,7 @@ def main():
             print(f"deadline: {i} of {len(runs)} runs done", file=sys.stderr)
             break
         stem = os.path.join(a.out, f"case{ci}.{tag}.{rnd}")
+        done[(ci, tag)] = done.get((ci, tag), 0) + 1
         cmd = [path, "--device", a.device, "--op", "decode", "--warmup", str(a.warmup),
                "--iters", str(a.iters), *shlex.split(case), "--json", stem + ".json"]
         env = dict(os.environ, **extra)
@@ -96,6 +98,12 @@ def main():
             continue
         with open(stem + ".json") as f:
             rows = json.load(f)["rows"]
+        if not rows:
+            # A kernel that stopped applying (e.g. `--rows hopper` on a build whose Hopper kernel
+            # no longer runs the case) leaves no row: a failed run, not a missing column.
+            print(f"run has no rows: {' '.join(cmd)}", file=sys.stderr)
+            ok = False
+            failed[(ci, tag)] = failed.get((ci, tag), 0) + 1
         for r in rows:
             if r.get("time_us") is None:
                 ok = False
@@ -104,13 +112,16 @@ def main():
             ok = ok and verified
             record(best, ci, r["kernel"], tag, r["time_us"], verified)
             if r.get("plan_us") is not None:  # the plan's time, carried by every row
-                record(best, ci, "plan_decode", tag, r["plan_us"], True)
+                # The deterministic rows carry their own schedule's plan.
+                plan = ("plan_decode (deterministic)" if "deterministic-split" in r["kernel"]
+                        else "plan_decode")
+                record(best, ci, plan, tag, r["plan_us"], verified)
             if r.get("graph_us") is not None:  # the same call replayed from a CUDA graph
                 record(best, ci, r["kernel"] + " (graph)", tag, r["graph_us"], verified)
 
     base = tags[0]
     for (ci, tag), n in sorted(failed.items()):
-        print(f"{a.case[ci]:45s} {'FAILED RUNS':24s} | {tag} {n} of {a.rounds}")
+        print(f"{a.case[ci]:45s} {'FAILED RUNS':24s} | {tag} {n} of {done[(ci, tag)]}")
     for (ci, kernel), by_tag in sorted(best.items()):
         line = f"{a.case[ci]:45s} {kernel:24s}"
         ref = by_tag.get(base, (None, True))[0]

@@ -8,6 +8,7 @@
 // grid-stride loop, out-of-range indices (skipped on the device), a non-blocking stream, and
 // capture into a CUDA graph (proves: the stream is honoured, no host sync, no allocation).
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include "gpu_util.hpp"
@@ -48,6 +49,7 @@ struct AppendCase {
   int row_pad;        // -1: separate contiguous k_nope/k_pe; else slices of a [T, 576 + pad] buffer
   int bad_locs;       // tokens given an out-of-range slot (GPU skips them; the CPU run gets -1)
   uint64_t seed;
+  int specials = 0;   // input elements replaced by NaN, -NaN, +-inf, +-0, +-huge or tiny values
 };
 
 std::string describe(const AppendCase& c) {
@@ -55,7 +57,7 @@ std::string describe(const AppendCase& c) {
   os << "input " << mla::dtype_name(c.input_dtype) << ", cache " << mla::dtype_name(c.cache_dtype)
      << ", loc " << mla::dtype_name(c.loc_dtype) << ", page_size " << c.page_size << ", pages "
      << c.num_pages << ", tokens " << c.num_tokens << ", k_scale " << c.k_scale << ", row_pad "
-     << c.row_pad << ", bad_locs " << c.bad_locs;
+     << c.row_pad << ", bad_locs " << c.bad_locs << ", specials " << c.specials;
   return os.str();
 }
 
@@ -77,6 +79,16 @@ void run_append_case(const AppendCase& c, Launch launch = Launch::kDefaultStream
     nope_buf.set(i, fp8 ? log_uniform(rng, -12, 9.2, c.k_scale) : log_uniform(rng, -18, 6, 1.0));
   for (int64_t i = 0; i < pe_buf.numel(); ++i)
     pe_buf.set(i, fp8 ? log_uniform(rng, -12, 9.2, c.k_scale) : log_uniform(rng, -18, 6, 1.0));
+  // Values whose conversion the hardware and the CPU path must agree on bit for bit: NaN of
+  // either sign, infinities, zeros of either sign, values past every dtype's range, subnormals.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float specials[] = {nan, -nan, inf, -inf, 0.0f, -0.0f, 3.0e38f, -3.0e38f, 1.0e-40f,
+                            -1.0e-40f, 70000.0f, -70000.0f, 449.0f * c.k_scale, -465.0f * c.k_scale};
+  for (int i = 0; i < c.specials; ++i) {
+    HostTensor& buf = rng() % 2 ? nope_buf : pe_buf;
+    buf.set(int64_t(rng() % uint64_t(buf.numel())), specials[size_t(i) % std::size(specials)]);
+  }
   DeviceTensor d_nope_buf(nope_buf), d_pe_buf(pe_buf);
   TensorView k_nope, k_pe, d_k_nope, d_k_pe;
   if (sliced) {
@@ -232,6 +244,22 @@ TEST(GpuAppendLatentKv, NonBlockingStreamAndCudaGraph) {
                   Launch::kCudaGraph);
   run_append_case({DType::kBF16, DType::kFP8E4M3, DType::kInt64, 1, 100, 33, 2.0f, -1, 1, 24},
                   Launch::kCudaGraph);
+}
+
+TEST(GpuAppendLatentKv, NonFiniteAndOutOfRangeValuesConvertAsOnTheCpu) {
+  MLA_REQUIRE_GPU();
+  // Every input dtype into every pool dtype, vectorised and element-wise rows: the device's
+  // conversions (fp8: the hardware's saturating cvt) against the CPU path's, bit for bit.
+  uint64_t seed = 300;
+  for (DType input_dtype : {DType::kBF16, DType::kFP16, DType::kFP32})
+    for (DType cache_dtype : {DType::kBF16, DType::kFP16, DType::kFP8E4M3})
+      for (int row_pad : {-1, 13}) {
+        AppendCase c{input_dtype, cache_dtype, DType::kInt32, 16, 9, 37, 1.0f, row_pad, 0, seed++};
+        c.k_scale = cache_dtype == DType::kFP8E4M3 ? 0.5f : 1.0f;
+        c.specials = 400;
+        run_append_case(c);
+        if (HasFailure()) return;
+      }
 }
 
 // ---------------------------------------------------------------------------------------------
