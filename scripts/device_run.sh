@@ -263,12 +263,14 @@ fi
 # cases separated by ';') profiles the first NCU_LAUNCHES (default 2) launches of the kernels that
 # match NCU_KERNELS (default: the decode kernels and the combine) in each case, GPU clocks as they
 # are, with the sections that say what limits a kernel: speed of light, compute and memory
-# workloads, warp states and launch statistics. One log a case (ncu_<k>.log); the summary counts
+# workloads, warp states, launch statistics and occupancy. One log a case (ncu_<k>.log); the summary counts
 # the launches profiled.
 if [[ -n "${NCU_CASES:-}" ]]; then
   NCU="$(find_tool ncu)"
   if [[ -z "$NCU" ]]; then
     record ncu SKIP 0 "ncu not found"
+  elif [[ ! -x "$BENCH" ]]; then
+    record ncu SKIP 0 "no mla-bench in $BUILD_DIR/tools"
   else
     IFS=';' read -r -a ncu_cases <<<"$NCU_CASES"
     k=0

@@ -77,9 +77,10 @@ struct BackendConfig {
   ExtendPrefixPath extend_prefix_path = ExtendPrefixPath::kAuto;
   int64_t absorbed_max_extend_len = 128;  // threshold of the kAuto rule (mla/plan.hpp)
   size_t workspace_bytes = Workspace::kDefaultBytes;  // when the Backend creates its workspace
-  // GPU debug mode: the decode family's kernels get MlaDecodeArgs::check_metadata, so that bad
-  // lengths, block tables and page ids (also those the engine's device tensors carried in) are
-  // reported as mla::Error before each launch. It synchronises the stream: not for CUDA graphs.
+  // GPU debug mode: the decode family's kernels get MlaDecodeArgs::check_metadata (and EXTEND's
+  // mha_prefill calls MhaPrefillArgs::check_metadata), so that bad lengths, block tables and page
+  // ids (also those the engine's device tensors carried in) are reported as mla::Error before
+  // each launch. It synchronises the stream: not for CUDA graphs.
   bool check_metadata = false;
   // Deterministic mode (DESIGN §5): a request's attention output (and LSE) is bit-identical
   // whatever the other requests of its batch, its place in it and the batch size, and on every
@@ -142,7 +143,9 @@ struct AbsorbedAttentionArgs {
   TensorView lse;            // [T, H] fp32, optional (natural-log LSE of the scaled scores)
 };
 
-// Non-absorbed (MHA) attention: 192-wide q/k, 128-wide v per head.
+// Non-absorbed (MHA) attention: 192-wide q/k, 128-wide v per head. Each tensor has a contiguous
+// last dim; out and lse have no two elements at one address; on the GPU q, k, v and out have
+// 16-byte aligned rows (mha_prefill's copies), with or without a prefix.
 struct MhaAttentionArgs {
   TensorView q;    // [Tq, H, 192] q_dtype
   TensorView k;    // [Tk, H, 192] q_dtype

@@ -133,7 +133,10 @@ struct MlaDecodeArgs {
   TensorView kv_cache;     // [P, S, 576] bf16/fp16/fp8e4m3, contiguous
   TensorView block_table;  // [B, max_blocks] int32, page ids in [0, P) for the pages in use
   TensorView kv_lens;      // [B] int32, each in [0, max_blocks * S]
-  TensorView cu_q_lens;    // [B + 1] int32, cu_q_lens[0] == 0, non-decreasing, cu_q_lens[B] == T; optional
+  // [B + 1] int32, cu_q_lens[0] == 0, non-decreasing, cu_q_lens[B] == T; optional. On the GPU
+  // (where it is not checked) cu_q_lens[B] < T leaves the rows past cu_q_lens[B] untouched: a
+  // CUDA-graph DRAFT_EXTEND captured at its largest query count relies on that.
+  TensorView cu_q_lens;
   int q_len = 1;           // queries per request when cu_q_lens is empty (T == B * q_len)
   int max_q_len = 0;       // upper bound on q_len_b (GPU launch shape); 0 = derive (CPU only)
   float softmax_scale = 0; // required, > 0

@@ -232,7 +232,9 @@ def _check_host_lengths(name: str, lens: Any, bs: int, offset: int = 0) -> None:
         return
     if isinstance(lens, Tensor) and lens.device.type != "cpu":
         return
-    values = _host_list(lens, bs, name)
+    values = _host_list(lens, bs, name, allow_short=True)
+    if not values:
+        return
     lo, hi = min(values), max(values)
     if lo < 0 or hi + offset > _INT32_MAX:
         bad = lo if lo < 0 else hi
@@ -241,12 +243,14 @@ def _check_host_lengths(name: str, lens: Any, bs: int, offset: int = 0) -> None:
                          f"must be in [0, 2^31 - 1]")
 
 
-def _host_list(lens: Any, bs: int, name: str) -> Optional[List[int]]:
-    """The first bs host lengths as Python ints (engines pass lists or CPU tensors), or None."""
+def _host_list(lens: Any, bs: int, name: str, allow_short: bool = False) -> Optional[List[int]]:
+    """The first bs host lengths as Python ints (engines pass lists or CPU tensors), or None.
+    allow_short: fewer than bs are the engine's (data-parallel padding grows batch_size and the
+    device tensors, not the host lists, whose padded requests add no queries or keys)."""
     if lens is None:
         return None
     values = lens[:bs].tolist() if isinstance(lens, Tensor) else list(lens)[:bs]
-    if len(values) < bs:
+    if len(values) < bs and not allow_short:
         raise ValueError(f"MlaBackend: {name} holds {len(values)} lengths for a batch of {bs}")
     return [int(x) for x in values]
 
@@ -298,8 +302,9 @@ class MlaBackend:
         EXTEND's absorbed path stays unsplit (its row tiles fill the SMs).
     """
 
-    # The plans are built on the device from the device lengths; host lengths (seq_lens_cpu)
-    # only narrow the eager block table when the engine has them, so it need not copy them.
+    # The decode family is planned on the device from the device lengths; seq_lens_cpu only
+    # narrows its eager block table when the engine has it, so it need not copy it. (EXTEND reads
+    # its host lengths: extend_seq_lens_cpu, and extend_prefix_lens_cpu or else seq_lens_cpu.)
     needs_cpu_seq_lens: bool = False
 
     def __init__(self, *, num_q_heads: int, page_size: int, req_to_token: Tensor,
@@ -469,7 +474,7 @@ class MlaBackend:
         bs = int(forward_batch.batch_size)
         seq_lens = forward_batch.seq_lens[:bs]
         seq_lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
-        host_max = (max(_host_list(seq_lens_cpu, bs, "seq_lens_cpu"))
+        host_max = (max(_host_list(seq_lens_cpu, bs, "seq_lens_cpu", allow_short=True), default=1)
                     if seq_lens_cpu is not None and bs > 0 else None)
         cu_q_lens = None
         q_len = max_q_len = 1
@@ -482,7 +487,8 @@ class MlaBackend:
             lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
             _check_host_lengths("extend_seq_lens_cpu", lens_cpu, bs)
             if lens_cpu is not None:
-                max_q_len = max(_host_list(lens_cpu, bs, "extend_seq_lens_cpu"), default=0)
+                max_q_len = max(_host_list(lens_cpu, bs, "extend_seq_lens_cpu", allow_short=True),
+                                default=0)
             elif kind == _DRAFT_EXTEND and self.num_draft_tokens:
                 max_q_len = self.num_draft_tokens
             else:
@@ -543,12 +549,15 @@ class MlaBackend:
             raise ValueError("MlaBackend: EXTEND needs each request's cached prefix on the host: "
                              "extend_prefix_lens_cpu, or seq_lens_cpu (prefix = seq_lens - "
                              "extend_seq_lens)")
-        if seq_cpu is not None:
-            for b, (p, e, n) in enumerate(zip(prefix_cpu, extend_cpu, seq_cpu)):
-                if p < 0 or p + e != n:
-                    raise ValueError(
-                        f"MlaBackend: request {b} of the EXTEND batch has extend_prefix_lens "
-                        f"{p} + extend_seq_lens {e} != seq_lens {n} (host lengths)")
+        for b, (p, e) in enumerate(zip(prefix_cpu, extend_cpu)):
+            n = seq_cpu[b] if seq_cpu is not None else p + e
+            if prefix_given is None and p < 0:
+                raise ValueError(f"MlaBackend: request {b} of the EXTEND batch has "
+                                 f"extend_seq_lens_cpu {e} > seq_lens_cpu {n}")
+            if p + e != n:
+                raise ValueError(
+                    f"MlaBackend: request {b} of the EXTEND batch has extend_prefix_lens "
+                    f"{p} + extend_seq_lens {e} != seq_lens {n} (host lengths)")
         return prefix_cpu
 
     def _chunk_ranges(self, prefix_cpu: List[int]) -> List[Tuple[List[int], List[int]]]:
@@ -859,8 +868,10 @@ class MlaBackend:
                                  "[T, 64], or the whole latent [T, 576])")
             ops.append_latent_kv(k_nope, k_pe, forward_batch.out_cache_loc, kv_cache, k_scale)
         # DRAFT_EXTEND's graphs run num_draft_tokens query rows a request while the kernel
-        # attends the accepted ones (cu_q_lens from accept_length): the rows past them are 0.
-        new_out = torch.zeros if kind == _DRAFT_EXTEND else torch.empty
+        # attends the accepted ones (cu_q_lens from accept_length) and writes only their rows
+        # (ops.hpp): the rows past them are 0, not the graph pool's leftovers.
+        graph_plan = any(md is g for g in self.decode_cuda_graph_metadata.values())
+        new_out = torch.zeros if kind == _DRAFT_EXTEND and graph_plan else torch.empty
         out = new_out((num_tokens, num_heads, self.kv_lora_rank), dtype=self.q_data_type,
                       device=q.device)
         ws = self._workspace(md, kind) if self.use_split_kv else {}

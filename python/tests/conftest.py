@@ -38,9 +38,6 @@ def device(request):
     return torch.device(request.param)
 
 
-_NOT_IMPLEMENTED = {}
-
-
 @pytest.fixture
 def gen():
     g = torch.Generator()

@@ -553,16 +553,21 @@ def test_llama_4_scaling_multiplies_the_query(split):
 
 
 def test_rope_without_k_runs_attention():
-    """k_rope without k (nothing to save): RoPE of the query only, attention runs."""
+    """k_rope without k (nothing to save): the query is roped as with k, and attention runs."""
     layer = AttentionLayer(0, 4, 576, 512, 0.1)
     q_nope, q_pe, c_kv, k_pe = rope_decode_inputs()
     backend, r2t = make_backend()
+    cache = backend.token_to_kv_pool.get_key_buffer(0)
+    cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(4)).to(cache.dtype))
     fb = decode_with_slots(r2t, [0, 1], [5, 9])
     backend.init_forward_metadata(fb)
-    out = backend.forward_decode(q_nope.reshape(2, -1), None, None, layer, fb, save_kv_cache=False,
-                                 q_rope=q_pe.reshape(2, -1), k_rope=k_pe,
-                                 cos_sin_cache=make_cos_sin_cache(64), is_neox=True)
-    assert out.shape == (2, 4 * 512) and torch.isfinite(out).all()
+    kw = dict(save_kv_cache=False, q_rope=q_pe.reshape(2, -1), k_rope=k_pe, is_neox=True,
+              cos_sin_cache=make_cos_sin_cache(64))
+    out = backend.forward_decode(q_nope.reshape(2, -1), None, None, layer, fb, **kw)
+    with_k = backend.forward_decode(q_nope.reshape(2, -1), c_kv, None, layer, fb, **kw)
+    unroped = backend.forward_decode(q_nope.reshape(2, -1), None, None, layer, fb,
+                                     save_kv_cache=False, q_rope=q_pe.reshape(2, -1))
+    assert torch.equal(out, with_k) and not torch.equal(out, unroped)
 
 
 def test_in_graph_hook_and_host_lengths_flag():
@@ -604,6 +609,18 @@ def test_extend_prefix_from_host_lengths():
         backend.init_forward_metadata(fb)
     fb = batch(ForwardMode.EXTEND, [0, 1], [9, 3], extend=[2, 3], prefix=[7])
     with pytest.raises(ValueError, match="extend_prefix_lens_cpu holds 1 lengths for a batch of 2"):
+        backend.init_forward_metadata(fb)
+    # The decode family takes host lists shorter than a batch padded for data parallelism (the
+    # padded requests add no queries): DRAFT_EXTEND plans from the device query counts.
+    fb = batch(ForwardMode.DRAFT_EXTEND, [0, 1, 2], [12, 7, 1], extend=[2, 3, 0])
+    fb.extend_seq_lens_cpu = [2, 3]
+    fb.seq_lens_cpu = [12, 7]
+    backend.init_forward_metadata(fb)
+    md = backend.forward_decode_metadata
+    assert md.cu_q_lens.tolist() == [0, 2, 5, 5] and md.max_q_len == 3
+    # A derived prefix below 0 says which lengths disagree.
+    fb = batch(ForwardMode.EXTEND, [0], [3], extend=[5], prefix=None)
+    with pytest.raises(ValueError, match=r"extend_seq_lens_cpu 5 > seq_lens_cpu 3"):
         backend.init_forward_metadata(fb)
     # seq_lens_cpu as a list
     fb = batch(ForwardMode.DECODE, [0, 1], [9, 3])

@@ -65,6 +65,19 @@ def forward(backend, layer, mode, fb, q, k, q_rope, k_rope):
     return call(q, k, None, layer, fb, save_kv_cache=True, q_rope=q_rope, k_rope=k_rope)
 
 
+def capture(backend, layer, mode, fb, args):
+    """A warm-up run on a side stream, then the capture; returns (graph, its output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph
+        forward(backend, layer, mode, fb, *args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward(backend, layer, mode, fb, *args)
+    return graph, out
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])
 def test_capture_and_replay(kv_dtype, mode):
@@ -88,14 +101,7 @@ def test_capture_and_replay(kv_dtype, mode):
         args = (q_buf[:tokens], k_buf[:tokens], qr_buf[:tokens], kr_buf[:tokens])
         backend.init_forward_metadata_capture_cuda_graph(bs, tokens, req_buf[:bs], len_buf[:bs],
                                                          None, mode, spec)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph
-            forward(backend, eng.layer, mode, fb, *args)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_out = forward(backend, eng.layer, mode, fb, *args)
+        graph, graph_out = capture(backend, eng.layer, mode, fb, args)
 
         for replay in range(2):
             reqs, lens, locs = eng.new_batch(bs, q_len, MAX_CONTEXT if replay else 700)
@@ -152,14 +158,7 @@ def test_draft_extend_graph_packs_accepted_queries():
     fb = ForwardBatch(forward_mode=mode, batch_size=bs, req_pool_indices=req_buf,
                       seq_lens=len_buf, out_cache_loc=loc_buf, spec_info=spec)
     backend.init_forward_metadata_capture_cuda_graph(bs, tokens, req_buf, len_buf, None, mode, spec)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the graph
-        forward(backend, eng.layer, mode, fb, *bufs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = forward(backend, eng.layer, mode, fb, *bufs)
+    graph, graph_out = capture(backend, eng.layer, mode, fb, bufs)
 
     for replay in range(2):
         reqs, lens, locs = eng.new_batch(bs, DRAFT, 700)

@@ -743,8 +743,9 @@ void Backend::Impl::check_mha(const char* op, const MhaAttentionArgs& args, int6
   check_heads_operand(op, "args.k", args.k, num_kv, keys, 192, qk_dim, config.q_dtype);
   check_heads_operand(op, "args.v", args.v, num_kv, keys, 128, "v head dim", config.q_dtype);
   check_heads_operand(op, "args.out", args.out, num_q, tokens, 128, "v head dim", config.out_dtype);
-  // What mha_prefill (or, with a prefix, the last merge) asks of the outputs, checked before any
-  // work and under the caller's names, whether or not the batch has a prefix.
+  // One rule for the operands with or without a prefix, checked before any work and under the
+  // caller's names: what mha_prefill asks of them (on the GPU, 16-byte rows), also of an out
+  // that, with a prefix, only the last merge writes (which would take any alignment).
   check::inner_contiguous(op, "args.out", args.out);
   check::non_overlapping(op, "args.out", args.out);
   if (config.device.type == DeviceType::kCUDA) {
@@ -778,6 +779,7 @@ void Backend::Impl::run_mha_prefill(const LayerParams& layer, const MhaAttention
   m.max_q_len = std::max(1, plan.extend.max_q_len);
   m.max_kv_len = std::max(1, max_kv_len);
   m.causal = causal;
+  m.check_metadata = config.check_metadata;
   m.softmax_scale = layer.softmax_scale;
   m.q_scale = args.q_scale;
   m.k_scale = args.k_scale;

@@ -563,16 +563,22 @@ MhaPrefillArgs contiguous_on_device(const MhaPrefillArgs& host, DeviceTensor& q,
   return a;
 }
 
+// Two requests of 2 heads for the offset tests: Tq 7, Tk 9.
+PrefillCase two_requests() {
+  PrefillCase c;
+  c.q_lens = {3, 4};
+  c.kv_lens = {5, 4};
+  c.heads = 2;
+  return c;
+}
+
 // Offsets on the device are not checked on the host: the kernel clamps them to [0, Tq] / [0, Tk]
 // (a request whose end precedes its start has no rows). Each case's rows come out as attention
 // over the clamped geometry, rows no request covers keep their NaN poison, and nothing is read or
 // written outside the tensors (compute-sanitizer's memcheck runs this test).
 TEST(MhaPrefillGpu, BadDeviceOffsetsAreClampedToTheTensors) {
   MLA_REQUIRE_GPU();
-  PrefillCase c;
-  c.q_lens = {3, 4};   // Tq 7
-  c.kv_lens = {5, 4};  // Tk 9
-  c.heads = 2;
+  const PrefillCase c = two_requests();
   PrefillBuffers buf;
   make_buffers(c, buf);
   constexpr int32_t kMax = INT32_MAX;
@@ -626,10 +632,7 @@ TEST(MhaPrefillGpu, BadDeviceOffsetsAreClampedToTheTensors) {
 // bits of a run without it.
 TEST(MhaPrefillGpu, CheckMetadataNamesTheFirstBadOffset) {
   MLA_REQUIRE_GPU();
-  PrefillCase c;
-  c.q_lens = {3, 4};   // Tq 7
-  c.kv_lens = {5, 4};  // Tk 9
-  c.heads = 2;
+  const PrefillCase c = two_requests();
   PrefillBuffers buf;
   make_buffers(c, buf);
   DeviceTensor d_q(buf.q), d_k(buf.k), d_v(buf.v);
