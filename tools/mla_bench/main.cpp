@@ -367,10 +367,22 @@ int run(int argc, char** argv) {
     prefill.op = Op::kPrefill;
     cases = {decode, prefill};
   }
-  std::erase_if(cases, [&](const BenchCase& c) { return o.op != "all" && o.op != op_name(c.op); });
+  // Each case's seed follows its index in the whole list, before --op and --part select cases.
+  std::vector<uint32_t> seed_index(cases.size());
+  for (size_t i = 0; i < cases.size(); ++i) seed_index[i] = uint32_t(i);
+  {
+    size_t kept = 0;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      if (o.op != "all" && o.op != op_name(cases[i].op)) continue;
+      cases[kept] = cases[i];
+      seed_index[kept++] = seed_index[i];
+    }
+    cases.resize(kept);
+    seed_index.resize(kept);
+  }
   if (cases.empty()) usage_error("--op " + o.op + " selects no case of --sweep " + o.sweep);
 
-  // The slice of the cases this run covers; a case keeps its index in the whole list (its seed).
+  // The slice of the cases this run covers.
   const size_t first = cases.size() * size_t(o.part_index - 1) / size_t(o.part_count);
   const size_t last = cases.size() * size_t(o.part_index) / size_t(o.part_count);
   if (first == last)
@@ -401,13 +413,20 @@ int run(int argc, char** argv) {
     }
     std::vector<Row> rows;
     try {
-      rows = run_case(*runner, c, warmup, iters, o.seed * 1000003u + i, report.ceilings);
+      rows = run_case(*runner, c, warmup, iters, o.seed * 1000003u + seed_index[i], report.ceilings);
     } catch (const std::exception& e) {
       Row row;
       row.c = c;
       row.kernel = "mla-" + report.device;
       row.error = e.what();
       rows = {row};
+    }
+    if (rows.empty() && o.sweep.empty()) {
+      // A single case whose --rows name no kernel that applies to it (e.g. hopper where the
+      // Hopper kernel does not run): nothing was measured, which is a failure, not a result.
+      std::fprintf(stderr, "mla-bench: none of the selected kernels (--rows) applies to %s\n",
+                   describe(c).c_str());
+      all_ok = false;
     }
     for (Row& row : rows) {
       all_ok = all_ok && row.error.empty() && row.verified;
