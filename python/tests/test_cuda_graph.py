@@ -198,3 +198,54 @@ def test_draft_extend_graph_packs_accepted_queries():
         want = forward(eager, eng.layer, mode, eager_fb, *new_inputs)
         assert not torch.isnan(got.float()).any()
         assert_close(got[:total], want.double(), 2e-2, 2e-2, f"DRAFT_EXTEND replay {replay}")
+
+
+def test_padded_batch_replay():
+    """A DECODE graph captured at batch 8 and replayed with 5 real requests padded to 8 as an
+    engine pads them (request slot 0, seq_lens the fill value, out_cache_loc -1): the real rows
+    equal an eager run of the 5, the padding rows are finite, and the replay allocates nothing."""
+    gen = torch.Generator().manual_seed(17)
+    eng = Engine(torch.bfloat16, gen)
+    backend = eng.backend
+    mode = ForwardMode.DECODE
+    bs, real = 8, 5
+    backend.init_cuda_graph_state(MAX_BS, MAX_BS)
+    req_buf = torch.zeros(bs, dtype=torch.int64, device="cuda")
+    len_buf = torch.ones(bs, dtype=torch.int64, device="cuda")
+    loc_buf = torch.full((bs,), -1, dtype=torch.int64, device="cuda")
+    bufs = [torch.zeros_like(t) for t in eng.inputs(bs)]
+    fb = ForwardBatch(forward_mode=mode, batch_size=bs, req_pool_indices=req_buf,
+                      seq_lens=len_buf, out_cache_loc=loc_buf)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs, req_buf, len_buf, None, mode, None)
+    graph, graph_out = capture(backend, eng.layer, mode, fb, bufs)
+
+    reqs, lens, locs = eng.new_batch(real, 1, 900)
+    new_inputs = eng.inputs(real)
+    req_buf.zero_()
+    req_buf[:real].copy_(reqs)
+    len_buf.fill_(backend.get_cuda_graph_seq_len_fill_value())
+    len_buf[:real].copy_(lens + 1)
+    loc_buf.fill_(-1)
+    loc_buf[:real].copy_(locs)
+    for buf, new in zip(bufs, new_inputs):
+        buf.zero_()
+        buf[:real].copy_(new)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    backend.init_forward_metadata_replay_cuda_graph(bs, req_buf, len_buf, -1, None, mode, None)
+    graph.replay()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    assert after["allocation.all.allocated"] == before["allocation.all.allocated"]
+    got = graph_out.clone()
+    assert torch.isfinite(got.float()).all()
+
+    eager_fb = ForwardBatch(forward_mode=mode, batch_size=real, req_pool_indices=reqs.cuda(),
+                            seq_lens=(lens + 1).cuda(), seq_lens_cpu=lens + 1,
+                            out_cache_loc=locs.cuda())
+    eager = MlaBackend(num_q_heads=HEADS, page_size=PAGE, req_to_token=eng.req_to_token,
+                       token_to_kv_pool=eng.pool, kv_cache_dtype=torch.bfloat16,
+                       num_draft_tokens=DRAFT)
+    eager.init_forward_metadata(eager_fb)
+    want = forward(eager, eng.layer, mode, eager_fb, *new_inputs)
+    assert_close(got[:real], want.double(), 2e-2, 2e-2, "padded DECODE replay")
