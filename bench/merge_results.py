@@ -7,7 +7,9 @@ A long sweep runs in parts (`mla-bench --sweep decode --part K/N`), and the pref
 its own; each run measures its own ceilings and computes its rows' fractions against them. The
 merged file keeps that: `runs` lists every run (sweep, part, ceilings), each row gets `run` (its
 index in `runs`), and the top-level `ceilings` are those of the first run. The runs must share the
-card and the commit; rows are kept in the order given.
+card and the commit; rows are kept in the order given. A part given twice is an error; parts of
+a sweep that are not given are listed in `parts_missing` (and said on stderr), so that a merged
+file of a partial sweep says so itself.
 """
 
 import argparse
@@ -40,6 +42,24 @@ def main(argv):
             rows.append(dict(row, run=len(runs)))
         runs.append(run)
 
+    # Parts of each sweep: none twice, the missing ones named.
+    parts_missing, seen = {}, {}
+    for r in runs:
+        if not r["part"]:
+            continue
+        k, n = (int(x) for x in r["part"].split("/"))
+        if (r["sweep"], k) in seen:
+            sys.exit(f"merge_results: part {r['part']} of sweep {r['sweep']} is given twice "
+                     f"({seen[(r['sweep'], k)]} and {r['file']})")
+        seen[(r["sweep"], k)] = r["file"]
+        have = {kk for (sweep, kk) in seen if sweep == r["sweep"]}
+        parts_missing[r["sweep"]] = (n, have)
+    parts_missing = {sweep: sorted(set(range(1, n + 1)) - have)
+                     for sweep, (n, have) in parts_missing.items()}
+    parts_missing = {sweep: parts for sweep, parts in parts_missing.items() if parts}
+    for sweep, parts in parts_missing.items():
+        print(f"merge_results: sweep {sweep} lacks parts {parts}", file=sys.stderr)
+
     merged = {
         "card": first["card"], "driver": first.get("driver"), "commit": first["commit"],
         "device": first.get("device"),
@@ -50,6 +70,8 @@ def main(argv):
     }
     if first.get("flush"):
         merged["flush"] = first["flush"]
+    if parts_missing:
+        merged["parts_missing"] = parts_missing
     if args.note:
         merged["note"] = args.note
     merged["rows"] = rows

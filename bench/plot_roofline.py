@@ -170,7 +170,10 @@ def main(argv):
         with open(path, encoding="utf-8") as f:
             report = json.load(f)
         base = os.path.splitext(os.path.basename(path))[0]
-        title = f"mla-bench roofline: {base} ({report.get('device', '?')}, sweep {report.get('sweep', '?')})"
+        sweep = report.get("sweep") or "+".join(report.get("sweeps", [])) or "?"
+        if report.get("runs"):  # a merged file: its first run's roofs (each row's fractions are its own run's)
+            sweep += f", {len(report['runs'])} runs, roofs of the first"
+        title = f"mla-bench roofline: {base} ({report.get('device', '?')}, sweep {sweep})"
         svg, count = plot(report, title)
         out_dir = args.out_dir or os.path.dirname(os.path.abspath(path))
         os.makedirs(out_dir, exist_ok=True)
