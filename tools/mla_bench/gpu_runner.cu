@@ -447,8 +447,15 @@ class GpuRunner final : public Runner {
     Measurement m;
     m.kernel = "naive-cublas";
     m.is_baseline = true;
-    m.time_us = time_median_us(warmup, iters, naive);
-    m.out = download(out, DType::kBF16, out_shape);
+    try {  // a failed baseline (e.g. a grid past its limits) is its own error row
+      m.time_us = time_median_us(warmup, iters, naive);
+      m.out = download(out, DType::kBF16, out_shape);
+    } catch (const std::exception& e) {
+      m = Measurement{};
+      m.kernel = "naive-cublas";
+      m.is_baseline = true;
+      m.error = e.what();
+    }
     results.push_back(std::move(m));
     return results;
   }

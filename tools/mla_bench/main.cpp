@@ -301,9 +301,10 @@ std::vector<Row> run_case(Runner& runner, const BenchCase& c, int warmup, int it
     for (const Measurement& m : measured)
       checks.push_back(m.error.empty() ? verify_prefill(p, m.out, seed) : Verification{});
   }
-  std::optional<double> naive_us;
-  for (const Measurement& m : measured)
-    if (m.is_baseline && m.error.empty()) naive_us = m.time_us;
+  std::optional<double> naive_us;  // a baseline that failed its check is no baseline
+  for (size_t i = 0; i < measured.size(); ++i)
+    if (measured[i].is_baseline && measured[i].error.empty() && checks[i].passed())
+      naive_us = measured[i].time_us;
   std::vector<Row> rows;
   for (size_t i = 0; i < measured.size(); ++i) {
     const Measurement& m = measured[i];
