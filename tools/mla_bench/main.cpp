@@ -356,6 +356,9 @@ int run(int argc, char** argv) {
     if (!runner) runner = make_cpu_runner();
   }
   const bool on_cpu = runner->device() == "cpu";
+  if (on_cpu && (o.rows || o.flush != "write" || o.deterministic_rows || o.split_keys > 0))
+    std::fprintf(stderr, "mla-bench: --rows, --flush, --deterministic and --split-keys choose "
+                         "CUDA rows and timing; this run is on the CPU and ignores them\n");
   const int warmup = o.warmup >= 0 ? o.warmup : (on_cpu ? 1 : 5);
   const int iters = o.iters >= 1 ? o.iters : (on_cpu ? 3 : 20);
 
