@@ -85,9 +85,12 @@ void run_append_case(const AppendCase& c, Launch launch = Launch::kDefaultStream
   const float inf = std::numeric_limits<float>::infinity();
   const float specials[] = {nan, -nan, inf, -inf, 0.0f, -0.0f, 3.0e38f, -3.0e38f, 1.0e-40f,
                             -1.0e-40f, 70000.0f, -70000.0f, 449.0f * c.k_scale, -465.0f * c.k_scale};
-  for (int i = 0; i < c.specials; ++i) {
-    HostTensor& buf = rng() % 2 ? nope_buf : pe_buf;
-    buf.set(int64_t(rng() % uint64_t(buf.numel())), specials[size_t(i) % std::size(specials)]);
+  for (int i = 0; i < c.specials && T > 0; ++i) {  // into the values the op reads
+    const int64_t t = int64_t(rng() % uint64_t(T)), d = int64_t(rng() % kEntry);
+    const float value = specials[size_t(i) % std::size(specials)];
+    if (sliced) nope_buf.set(t * row + d, value);
+    else if (d < kNope) nope_buf.set(t * kNope + d, value);
+    else pe_buf.set(t * kRope + d - kNope, value);
   }
   DeviceTensor d_nope_buf(nope_buf), d_pe_buf(pe_buf);
   TensorView k_nope, k_pe, d_k_nope, d_k_pe;

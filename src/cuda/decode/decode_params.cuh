@@ -300,7 +300,9 @@ struct PlanParams {
   BatchLayout layout;
   int block_m;           // rows per tile
   int num_parts;         // CTAs of the decode kernel
-  int split_keys;        // > 0: the deterministic plan (fixed_split.hpp), block_m 64; 0: balanced
+  // > 0: the deterministic plan (fixed_split.hpp), block_m the device's row-tile cap (64; 16 on
+  // sm_86 / sm_89); 0: balanced
+  int split_keys;
   int max_items, max_split_units, max_slots;
   ScheduleHeader* header;
   WorkItem* items;
