@@ -78,6 +78,21 @@ def capture(backend, layer, mode, fb, args):
     return graph, out
 
 
+def replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, spec):
+    """The engine's replay (metadata update, then the graph) after the inputs were written;
+    asserts that it allocates nothing and returns a copy of the graph's output."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    backend.init_forward_metadata_replay_cuda_graph(bs, req_buf, len_buf, -1, None, mode, spec)
+    graph.replay()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    assert after["allocation.all.allocated"] == before["allocation.all.allocated"], \
+        f"bs {bs}: the replay allocated memory"
+    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    return graph_out.clone()
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])
 def test_capture_and_replay(kv_dtype, mode):
@@ -111,16 +126,7 @@ def test_capture_and_replay(kv_dtype, mode):
             loc_buf[:tokens].copy_(locs)
             for buf, new in zip((q_buf, k_buf, qr_buf, kr_buf), new_inputs):
                 buf[:tokens].copy_(new)
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_stats()
-            backend.init_forward_metadata_replay_cuda_graph(bs, req_buf, len_buf, -1, None, mode, spec)
-            graph.replay()
-            torch.cuda.synchronize()
-            after = torch.cuda.memory_stats()
-            assert after["allocation.all.allocated"] == before["allocation.all.allocated"], \
-                f"bs {bs}: the replay allocated memory"
-            assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
-            got = graph_out.clone()
+            got = replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, spec)
 
             # The same batch eagerly, with a fresh plan (and host lengths).
             eager_fb = ForwardBatch(forward_mode=mode, batch_size=bs,
@@ -175,14 +181,7 @@ def test_draft_extend_graph_packs_accepted_queries():
         for buf, new in zip(bufs, new_inputs):
             buf[:total].copy_(new)
             buf[total:].fill_(float("nan"))
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_stats()
-        backend.init_forward_metadata_replay_cuda_graph(bs, req_buf, len_buf, -1, None, mode, spec)
-        graph.replay()
-        torch.cuda.synchronize()
-        after = torch.cuda.memory_stats()
-        assert after["allocation.all.allocated"] == before["allocation.all.allocated"]
-        got = graph_out.clone()
+        got = replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, spec)
         assert torch.equal(got[total:], torch.zeros_like(got[total:])), f"replay {replay}"
 
         seq = lens + accept
@@ -230,14 +229,7 @@ def test_padded_batch_replay():
     for buf, new in zip(bufs, new_inputs):
         buf.zero_()
         buf[:real].copy_(new)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()
-    backend.init_forward_metadata_replay_cuda_graph(bs, req_buf, len_buf, -1, None, mode, None)
-    graph.replay()
-    torch.cuda.synchronize()
-    after = torch.cuda.memory_stats()
-    assert after["allocation.all.allocated"] == before["allocation.all.allocated"]
-    got = graph_out.clone()
+    got = replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, None)
     assert torch.isfinite(got.float()).all()
 
     eager_fb = ForwardBatch(forward_mode=mode, batch_size=real, req_pool_indices=reqs.cuda(),
