@@ -255,6 +255,19 @@ def _host_list(lens: Any, bs: int, name: str, allow_short: bool = False) -> Opti
     return [int(x) for x in values]
 
 
+def _scale_query(q: Tensor, scaling: Any, model_dtype: torch.dtype, fp8: bool = False) -> Tensor:
+    """q [T, H, D] times the engine's llama_4_scaling (one factor a token, or one for all), in
+    the model dtype, back in q's dtype (saturated for fp8)."""
+    if not isinstance(scaling, Tensor) or scaling.numel() not in (1, q.shape[0]):
+        raise ValueError(f"MlaBackend: llama_4_scaling must be a tensor of one factor or one a "
+                         f"token ({q.shape[0]}), got "
+                         f"{list(scaling.shape) if isinstance(scaling, Tensor) else type(scaling).__name__}")
+    if scaling.device != q.device:
+        raise ValueError(f"MlaBackend: llama_4_scaling must be on {q.device}, got {scaling.device}")
+    scaled = q.to(model_dtype) * scaling.reshape(-1, 1, 1)
+    return _saturate_fp8(scaled) if fp8 else scaled.to(q.dtype)
+
+
 def _extend_lens(forward_batch: Any, bs: int) -> Tensor:
     """The first bs of forward_batch.extend_seq_lens (new tokens per request), required."""
     lens = getattr(forward_batch, "extend_seq_lens", None)
@@ -853,15 +866,12 @@ class MlaBackend:
                 q_nope = q_pe = None
             elif q_nope.dtype != self.data_type:
                 q_nope, q_pe = q_nope.to(self.data_type), q_pe.to(self.data_type)
-        if llama_4_scaling is not None:
-            # A per-token factor on the query (Llama-4-style attention scaling), in the model
-            # dtype, as the engine's model code computes it: [T, 1, 1] or one that broadcasts.
+        if llama_4_scaling is not None:  # Llama-4-style attention scaling of the query
             if query is not None:
-                scaled = query.to(self.q_data_type) * llama_4_scaling
-                query = _saturate_fp8(scaled) if fp8 else scaled.to(query.dtype)
+                query = _scale_query(query, llama_4_scaling, self.q_data_type, fp8)
             else:
-                q_nope = (q_nope.to(self.q_data_type) * llama_4_scaling).to(q_nope.dtype)
-                q_pe = (q_pe.to(self.q_data_type) * llama_4_scaling).to(q_pe.dtype)
+                q_nope = _scale_query(q_nope, llama_4_scaling, self.q_data_type)
+                q_pe = _scale_query(q_pe, llama_4_scaling, self.q_data_type)
         if save_kv_cache:
             if k_nope is None or k_pe is None:
                 raise ValueError("MlaBackend: save_kv_cache needs k (c_kv [T, 512] with k_rope "
@@ -923,7 +933,7 @@ class MlaBackend:
                            k_rope.view(-1, num_heads, ops.ROPE_DIM)], dim=-1)
         q = q.view(-1, num_heads, ops.QK_HEAD_DIM)
         if llama_4_scaling is not None:
-            q = (q.to(self.q_data_type) * llama_4_scaling).to(q.dtype)
+            q = _scale_query(q, llama_4_scaling, self.q_data_type)
         k = k.view(-1, num_heads, ops.QK_HEAD_DIM)
         v = v.view(-1, num_heads, ops.V_HEAD_DIM)
         scales = dict(q_scale=1.0, k_scale=1.0, v_scale=1.0)

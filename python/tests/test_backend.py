@@ -550,6 +550,13 @@ def test_llama_4_scaling_multiplies_the_query(split):
         results.append(out)
     assert torch.equal(results[1], results[2])
     assert not torch.equal(results[0], results[1])
+    backend, r2t = make_backend()
+    fb = decode_with_slots(r2t, [0, 1], [5, 9])
+    backend.init_forward_metadata(fb)
+    q = torch.cat([q_nope, q_pe], -1).reshape(2, -1)
+    for bad, what in ((torch.ones(3), r"one a token \(2\), got \[3\]"), (2.0, r"one a token \(2\), got float")):
+        with pytest.raises(ValueError, match="llama_4_scaling must be a tensor of one factor or " + what):
+            backend.forward_decode(q, c_kv, None, layer, fb, k_rope=k_pe, llama_4_scaling=bad)
 
 
 def test_rope_without_k_runs_attention():

@@ -88,3 +88,29 @@ TEST(TensorChecks, NonOverlappingOutputs) {
   EXPECT_FALSE(ok(view({2, 3, 4}, {12, 0, 1})));  // a broadcast dim
   EXPECT_FALSE(ok(view({3, 4}, {2, 1})));         // rows laid over each other
 }
+
+// check::rows_aligned16: the base and every outer stride (over a dim of more than one element)
+// a multiple of 16 bytes; the message names the argument, the stride and who needs it.
+TEST(TensorChecks, RowsAlignedTo16Bytes) {
+  alignas(16) uint16_t storage[512] = {};
+  auto view = [&](int64_t offset, std::initializer_list<int64_t> shape,
+                  std::initializer_list<int64_t> stride) {
+    return mla::TensorView::strided(storage + offset, mla::DType::kBF16, shape, stride,
+                                    mla::Device::cpu());
+  };
+  const auto message = [](const mla::TensorView& t) -> std::string {
+    try {
+      mla::check::rows_aligned16("op", "args.out", t, "on the GPU");
+      return "";
+    } catch (const mla::Error& e) {
+      return e.what();
+    }
+  };
+  EXPECT_EQ(message(view(0, {4, 2, 8}, {16, 8, 1})), "");
+  EXPECT_EQ(message(view(0, {1, 1, 8}, {3, 5, 1})), "");  // size-1 dims are never stepped
+  const std::string base = message(view(1, {4, 8}, {8, 1}));
+  EXPECT_NE(base.find("args.out must be 16-byte aligned on the GPU"), std::string::npos) << base;
+  const std::string stride = message(view(0, {4, 2, 8}, {20, 8, 1}));
+  EXPECT_NE(stride.find("args.out.stride[0] must be a multiple of 16 bytes (8 elements) on the GPU, got 20"),
+            std::string::npos) << stride;
+}
