@@ -43,7 +43,7 @@ def main(argv):
         runs.append(run)
 
     # Parts of each sweep: none twice, the missing ones named.
-    parts_missing, seen = {}, {}
+    seen, count = {}, {}  # (sweep, part) -> file; sweep -> parts in all
     for r in runs:
         if not r["part"]:
             continue
@@ -52,11 +52,12 @@ def main(argv):
             sys.exit(f"merge_results: part {r['part']} of sweep {r['sweep']} is given twice "
                      f"({seen[(r['sweep'], k)]} and {r['file']})")
         seen[(r["sweep"], k)] = r["file"]
-        have = {kk for (sweep, kk) in seen if sweep == r["sweep"]}
-        parts_missing[r["sweep"]] = (n, have)
-    parts_missing = {sweep: sorted(set(range(1, n + 1)) - have)
-                     for sweep, (n, have) in parts_missing.items()}
-    parts_missing = {sweep: parts for sweep, parts in parts_missing.items() if parts}
+        count[r["sweep"]] = n
+    parts_missing = {}
+    for sweep, n in count.items():
+        missing = sorted(set(range(1, n + 1)) - {k for (s, k) in seen if s == sweep})
+        if missing:
+            parts_missing[sweep] = missing
     for sweep, parts in parts_missing.items():
         print(f"merge_results: sweep {sweep} lacks parts {parts}", file=sys.stderr)
 

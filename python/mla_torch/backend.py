@@ -175,6 +175,7 @@ class DecodeMetadata:
     q_len: int                        # queries per request when cu_q_lens is None
     max_q_len: int                    # upper bound on the queries of one request
     max_kv_len: int                   # upper bound on kv_lens
+    graph: bool = False               # a CUDA-graph plan over the persistent buffers
 
 
 @dataclass
@@ -562,15 +563,17 @@ class MlaBackend:
             raise ValueError("MlaBackend: EXTEND needs each request's cached prefix on the host: "
                              "extend_prefix_lens_cpu, or seq_lens_cpu (prefix = seq_lens - "
                              "extend_seq_lens)")
-        for b, (p, e) in enumerate(zip(prefix_cpu, extend_cpu)):
-            n = seq_cpu[b] if seq_cpu is not None else p + e
-            if prefix_given is None and p < 0:
-                raise ValueError(f"MlaBackend: request {b} of the EXTEND batch has "
-                                 f"extend_seq_lens_cpu {e} > seq_lens_cpu {n}")
-            if p + e != n:
-                raise ValueError(
-                    f"MlaBackend: request {b} of the EXTEND batch has extend_prefix_lens "
-                    f"{p} + extend_seq_lens {e} != seq_lens {n} (host lengths)")
+        if prefix_given is None:  # derived: only an extend longer than the sequence can be wrong
+            for b, (p, e) in enumerate(zip(prefix_cpu, extend_cpu)):
+                if p < 0:
+                    raise ValueError(f"MlaBackend: request {b} of the EXTEND batch has "
+                                     f"extend_seq_lens_cpu {e} > seq_lens_cpu {p + e}")
+        elif seq_cpu is not None:  # both given: they must agree
+            for b, (p, e, n) in enumerate(zip(prefix_cpu, extend_cpu, seq_cpu)):
+                if p + e != n:
+                    raise ValueError(
+                        f"MlaBackend: request {b} of the EXTEND batch has extend_prefix_lens "
+                        f"{p} + extend_seq_lens {e} != seq_lens {n} (host lengths)")
         return prefix_cpu
 
     def _chunk_ranges(self, prefix_cpu: List[int]) -> List[Tuple[List[int], List[int]]]:
@@ -690,7 +693,7 @@ class MlaBackend:
             raise ValueError(f"MlaBackend: CUDA graphs serve the decode family, not {kind}")
         return DecodeMetadata(bs, self.cuda_graph_block_table[:bs, :max_blocks],
                               self.cuda_graph_kv_lens[:bs], cu_q_lens, q_len, max_q_len,
-                              self.max_context_len)
+                              self.max_context_len, graph=True)
 
     def _fill_graph_metadata(self, md: DecodeMetadata, kind: str, req_pool_indices: Tensor,
                              seq_lens: Tensor, extend_seq_lens: Optional[Tensor],
@@ -795,7 +798,7 @@ class MlaBackend:
         if md is None:
             raise RuntimeError("MlaBackend: init_forward_metadata was not called for this batch")
         if md.batch_size < int(forward_batch.batch_size):
-            if any(md is g for g in self.decode_cuda_graph_metadata.values()):
+            if md.graph:
                 # A CUDA-graph plan: a new plan would live in fresh buffers that a graph being
                 # captured would record and its replays never update.
                 raise ValueError(
@@ -880,8 +883,7 @@ class MlaBackend:
         # DRAFT_EXTEND's graphs run num_draft_tokens query rows a request while the kernel
         # attends the accepted ones (cu_q_lens from accept_length) and writes only their rows
         # (ops.hpp): the rows past them are 0, not the graph pool's leftovers.
-        graph_plan = any(md is g for g in self.decode_cuda_graph_metadata.values())
-        new_out = torch.zeros if kind == _DRAFT_EXTEND and graph_plan else torch.empty
+        new_out = torch.zeros if kind == _DRAFT_EXTEND and md.graph else torch.empty
         out = new_out((num_tokens, num_heads, self.kv_lora_rank), dtype=self.q_data_type,
                       device=q.device)
         ws = self._workspace(md, kind) if self.use_split_kv else {}

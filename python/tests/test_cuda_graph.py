@@ -28,11 +28,16 @@ class Engine:
         self.pool.kv_buffer[0].copy_(latent.clamp(-4, 4).to(kv_dtype))  # random everywhere
         del latent
         self.req_to_token = torch.zeros(MAX_BS * 2, MAX_CONTEXT, dtype=torch.int32, device="cuda")
-        self.backend = MlaBackend(num_q_heads=HEADS, page_size=PAGE, req_to_token=self.req_to_token,
-                                  token_to_kv_pool=self.pool, kv_cache_dtype=kv_dtype,
-                                  num_draft_tokens=DRAFT)
+        self.kv_dtype = kv_dtype
+        self.backend = self.new_backend()
         self.layer = AttentionLayer(0, HEADS, 576, 512, 1 / math.sqrt(192),
                                     k_scale_float=0.5 if kv_dtype == FP8 else None)
+
+    def new_backend(self):
+        """A backend over this engine's pool (the graphs' one, or a fresh one for eager runs)."""
+        return MlaBackend(num_q_heads=HEADS, page_size=PAGE, req_to_token=self.req_to_token,
+                          token_to_kv_pool=self.pool, kv_cache_dtype=self.kv_dtype,
+                          num_draft_tokens=DRAFT)
 
     def new_batch(self, bs, q_len, max_len):
         """Random requests: fresh req slots, random lengths, random (shared-nothing) pages."""
@@ -133,9 +138,7 @@ def test_capture_and_replay(kv_dtype, mode):
                                     req_pool_indices=reqs.cuda(),
                                     seq_lens=len_buf[:bs].clone(), seq_lens_cpu=len_buf[:bs].cpu(),
                                     out_cache_loc=locs.cuda(), spec_info=spec)
-            eager = MlaBackend(num_q_heads=HEADS, page_size=PAGE, req_to_token=eng.req_to_token,
-                               token_to_kv_pool=eng.pool, kv_cache_dtype=kv_dtype,
-                               num_draft_tokens=DRAFT)
+            eager = eng.new_backend()
             eager.init_forward_metadata(eager_fb)
             want = forward(eager, eng.layer, mode, eager_fb, *new_inputs)
             assert not torch.isnan(got.float()).any()
@@ -190,9 +193,7 @@ def test_draft_extend_graph_packs_accepted_queries():
                                 extend_seq_lens=accept.to(torch.int32).cuda(),
                                 extend_seq_lens_cpu=accept.tolist(), out_cache_loc=kept.cuda(),
                                 spec_info=spec)
-        eager = MlaBackend(num_q_heads=HEADS, page_size=PAGE, req_to_token=eng.req_to_token,
-                           token_to_kv_pool=eng.pool, kv_cache_dtype=torch.bfloat16,
-                           num_draft_tokens=DRAFT)
+        eager = eng.new_backend()
         eager.init_forward_metadata(eager_fb)
         want = forward(eager, eng.layer, mode, eager_fb, *new_inputs)
         assert not torch.isnan(got.float()).any()
@@ -235,9 +236,7 @@ def test_padded_batch_replay():
     eager_fb = ForwardBatch(forward_mode=mode, batch_size=real, req_pool_indices=reqs.cuda(),
                             seq_lens=(lens + 1).cuda(), seq_lens_cpu=lens + 1,
                             out_cache_loc=locs.cuda())
-    eager = MlaBackend(num_q_heads=HEADS, page_size=PAGE, req_to_token=eng.req_to_token,
-                       token_to_kv_pool=eng.pool, kv_cache_dtype=torch.bfloat16,
-                       num_draft_tokens=DRAFT)
+    eager = eng.new_backend()
     eager.init_forward_metadata(eager_fb)
     want = forward(eager, eng.layer, mode, eager_fb, *new_inputs)
     assert_close(got[:real], want.double(), 2e-2, 2e-2, "padded DECODE replay")

@@ -862,8 +862,7 @@ void Backend::init_cuda_graph_state(int max_bs, int64_t max_num_tokens) {
   // capture then reports).
   s.planned = false;  // the plan may point into the buffers being replaced
   s.reserve_schedule(s.graph_schedule, max_bs, std::max(1, s.config.num_draft_tokens), nullptr);
-  detail::Buffer buffer(size_t(layout.size()) * sizeof(int32_t), s.config.device);
-  s.graph_buffer = std::move(buffer);
+  s.graph_buffer = detail::Buffer(size_t(layout.size()) * sizeof(int32_t), s.config.device);
   auto* base = static_cast<int32_t*>(s.graph_buffer.data());
   s.graph_kv_lens = base + at_kv_lens;
   s.graph_block_table = base + at_block_table;

@@ -239,9 +239,8 @@ void MultiStepDraftBackend::init_cuda_graph_state(int max_bs, int64_t max_num_to
   for (Backend& step : s.steps) step.impl_->planned = false;
   for (Backend& step : s.steps)
     step.impl_->reserve_schedule(step.impl_->graph_schedule, max_bs, 1, nullptr);
-  detail::Buffer buffer(size_t(block_table_at + int64_t(max_bs) * width) * sizeof(int32_t),
-                        s.config.device);
-  s.graph_buffer = std::move(buffer);
+  s.graph_buffer = detail::Buffer(size_t(block_table_at + int64_t(max_bs) * width) * sizeof(int32_t),
+                                  s.config.device);
   s.graph_base = static_cast<int32_t*>(s.graph_buffer.data());
   s.graph_block_table_at = block_table_at;
   s.graph_max_bs = max_bs;

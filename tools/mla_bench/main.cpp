@@ -371,27 +371,18 @@ int run(int argc, char** argv) {
     prefill.op = Op::kPrefill;
     cases = {decode, prefill};
   }
-  // Each case's seed follows its index in the whole list, before --op and --part select cases.
-  std::vector<uint32_t> seed_index(cases.size());
-  for (size_t i = 0; i < cases.size(); ++i) seed_index[i] = uint32_t(i);
-  {
-    size_t kept = 0;
-    for (size_t i = 0; i < cases.size(); ++i) {
-      if (o.op != "all" && o.op != op_name(cases[i].op)) continue;
-      cases[kept] = cases[i];
-      seed_index[kept++] = seed_index[i];
-    }
-    cases.resize(kept);
-    seed_index.resize(kept);
-  }
-  if (cases.empty()) usage_error("--op " + o.op + " selects no case of --sweep " + o.sweep);
+  // The cases --op selects, by their index in the whole list (a case's seed follows it).
+  std::vector<size_t> selected;
+  for (size_t i = 0; i < cases.size(); ++i)
+    if (o.op == "all" || o.op == op_name(cases[i].op)) selected.push_back(i);
+  if (selected.empty()) usage_error("--op " + o.op + " selects no case of --sweep " + o.sweep);
 
-  // The slice of the cases this run covers.
-  const size_t first = cases.size() * size_t(o.part_index - 1) / size_t(o.part_count);
-  const size_t last = cases.size() * size_t(o.part_index) / size_t(o.part_count);
+  // The slice of the selected cases this run covers.
+  const size_t first = selected.size() * size_t(o.part_index - 1) / size_t(o.part_count);
+  const size_t last = selected.size() * size_t(o.part_index) / size_t(o.part_count);
   if (first == last)
     usage_error("--part " + std::to_string(o.part_index) + "/" + std::to_string(o.part_count) +
-                " selects none of the " + std::to_string(cases.size()) + " cases");
+                " selects none of the " + std::to_string(selected.size()) + " cases");
 
   Report report;
   report.device = runner->device();
@@ -409,15 +400,16 @@ int run(int argc, char** argv) {
   print_table_head(stdout, report.ceilings.has_value());
 
   bool all_ok = true;
-  for (size_t i = first; i < last; ++i) {
+  for (size_t j = first; j < last; ++j) {
+    const size_t i = selected[j];
     const BenchCase& c = cases[i];
-    if (cases.size() > 1) {
-      std::fprintf(stderr, "[%zu/%zu] %s ...\n", i + 1, cases.size(), describe(c).c_str());
+    if (selected.size() > 1) {
+      std::fprintf(stderr, "[%zu/%zu] %s ...\n", j + 1, selected.size(), describe(c).c_str());
       std::fflush(stderr);
     }
     std::vector<Row> rows;
     try {
-      rows = run_case(*runner, c, warmup, iters, o.seed * 1000003u + seed_index[i], report.ceilings);
+      rows = run_case(*runner, c, warmup, iters, o.seed * 1000003u + i, report.ceilings);
     } catch (const std::exception& e) {
       Row row;
       row.c = c;

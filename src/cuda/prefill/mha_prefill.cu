@@ -2,6 +2,7 @@
 // Shapes, dtypes and devices were validated by the public entry (src/ops/mha_prefill.cpp).
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cpu/cpu_ops.hpp"
@@ -17,11 +18,6 @@ constexpr const char* kOp = "mha_prefill";
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr int64_t kMaxTokens = INT32_MAX - 64;
 
-// The kernel copies 16-byte chunks: the base pointer and every token and head step must keep
-// rows 16-byte aligned.
-void check_rows_aligned(const char* arg, const TensorView& t) {
-  check::rows_aligned16(kOp, arg, t, "on the GPU");
-}
 
 prefill::OutKind out_kind_of(DType dtype) {
   switch (dtype) {
@@ -66,10 +62,10 @@ void mha_prefill(const MhaPrefillArgs& args, Stream stream) {
   const int64_t num_kv_tokens = args.k.shape[0];
   MLA_CHECK(num_q_tokens <= kMaxTokens && num_kv_tokens <= kMaxTokens, kOp, ": at most ", kMaxTokens,
             " query and key tokens per call on the GPU, got ", num_q_tokens, " and ", num_kv_tokens);
-  check_rows_aligned("q", args.q);
-  check_rows_aligned("k", args.k);
-  check_rows_aligned("v", args.v);
-  check_rows_aligned("out", args.out);
+  // The kernel copies 16-byte chunks: every token and head step must keep rows 16-byte aligned.
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &args.q},
+                                {"k", &args.k}, {"v", &args.v}, {"out", &args.out}})
+    check::rows_aligned16(kOp, name, *t, "on the GPU");
   if (args.check_metadata) check_metadata_on_host(args, to_cuda(stream));
 
   prefill::MhaPrefillParams p{};
