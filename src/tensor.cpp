@@ -3,6 +3,7 @@
 #include <array>
 #include <cstdint>
 #include <cstdlib>
+#include <utility>
 
 #include "mla/error.hpp"
 
@@ -149,6 +150,76 @@ void non_overlapping(const char* op, const char* arg, const TensorView& t) {
               "); give it distinct memory for every element");
     span = stride * (t.shape[d] - 1) + span;
   }
+}
+
+namespace {
+
+// The bytes [first, last) a view spans, from its lowest element to the end of its highest; empty
+// (first == last) without elements.
+std::pair<uintptr_t, uintptr_t> byte_span(const TensorView& t) {
+  const auto data = reinterpret_cast<uintptr_t>(t.data);
+  if (t.empty() || t.numel() == 0) return {data, data};
+  const int64_t esize = int64_t(dtype_size(t.dtype));
+  int64_t low = 0, high = 0;  // element offsets of the lowest and highest elements
+  for (int d = 0; d < t.ndim && d < kMaxDims; ++d) {
+    const int64_t reach = (t.shape[d] - 1) * t.stride[d];
+    (reach < 0 ? low : high) += reach;
+  }
+  return {data - uintptr_t(-low * esize), data + uintptr_t((high + 1) * esize)};
+}
+
+// Rows of two views laid side by side in one buffer (k_nope_out and k_pe_out over a [T, 576]
+// cache row, q_nope and q_pe over [T, H, 576]): every stride but the last a multiple of a pitch
+// of P bytes (the smallest of them), the last dims contiguous, and each view's row of w bytes
+// inside a part of the pitch the other's rows never reach.
+bool rows_apart(const TensorView& a, const TensorView& b) {
+  int64_t strides[2 * kMaxDims];
+  int n = 0;
+  int64_t pitch = 0;
+  for (const TensorView* t : {&a, &b}) {
+    const int64_t esize = int64_t(dtype_size(t->dtype));
+    if (t->ndim < 1 || t->ndim > kMaxDims) return false;
+    if (t->shape[t->ndim - 1] > 1 && t->stride[t->ndim - 1] != 1) return false;
+    for (int d = 0; d + 1 < t->ndim; ++d) {
+      if (t->shape[d] <= 1) continue;
+      const int64_t bytes = std::abs(t->stride[d]) * esize;
+      strides[n++] = bytes;
+      if (pitch == 0 || bytes < pitch) pitch = bytes;
+    }
+  }
+  if (pitch == 0) return false;  // one row each: their spans decide
+  for (int i = 0; i < n; ++i)
+    if (strides[i] % pitch != 0) return false;
+  const int64_t width_a = a.shape[a.ndim - 1] * int64_t(dtype_size(a.dtype));
+  const int64_t width_b = b.shape[b.ndim - 1] * int64_t(dtype_size(b.dtype));
+  const int64_t delta = int64_t(reinterpret_cast<uintptr_t>(b.data) - reinterpret_cast<uintptr_t>(a.data));
+  const int64_t r = ((delta % pitch) + pitch) % pitch;  // b's rows start r bytes into a's pitch
+  return r >= width_a && r + width_b <= pitch;
+}
+
+bool spans_overlap(const TensorView& a, const TensorView& b) {
+  const auto [a_first, a_last] = byte_span(a);
+  const auto [b_first, b_last] = byte_span(b);
+  return a_first != a_last && b_first != b_last && a_first < b_last && b_first < a_last &&
+         !rows_apart(a, b);
+}
+
+}  // namespace
+
+void disjoint(const char* op, const char* out_arg, const TensorView& out, const char* in_arg,
+              const TensorView& in) {
+  MLA_CHECK(!spans_overlap(out, in), op, ": ", out_arg, " (", out.describe(), ") overlaps ", in_arg,
+            " (", in.describe(), "); give ", out_arg, " its own memory");
+}
+
+void same_or_disjoint(const char* op, const char* out_arg, const TensorView& out,
+                      const char* in_arg, const TensorView& in) {
+  bool same = out.data == in.data && out.dtype == in.dtype && out.ndim == in.ndim;
+  for (int d = 0; same && d < out.ndim && d < kMaxDims; ++d)
+    same = out.shape[d] == in.shape[d] && (out.shape[d] <= 1 || out.stride[d] == in.stride[d]);
+  MLA_CHECK(same || !spans_overlap(out, in), op, ": ", out_arg, " (", out.describe(),
+            ") partly overlaps ", in_arg, " (", in.describe(), "); give it its own memory or ",
+            in_arg, " itself (the same view, in place)");
 }
 
 void contiguous(const char* op, const char* arg, const TensorView& t) {

@@ -75,8 +75,9 @@ void build_block_table(const BuildBlockTableArgs& args, Stream stream = nullptr)
 //    angle index i: x1' = x1 cos_i - x2 sin_i, x2' = x2 cos_i + x1 sin_i.
 //    A position outside [0, max_position) throws on the CPU; on the GPU that token's query rows
 //    and key row are written NaN. No output element may share an address with another
-//    (check::non_overlapping) or with an input: an in-place call is not supported (the GPU reads
-//    a pair's partner while other threads write).
+//    (check::non_overlapping) or with an input (check::disjoint): an in-place call is not
+//    supported (the GPU reads a pair's partner while other threads write); either is an
+//    mla::Error.
 enum class RopeStyle : uint8_t { kNeox, kInterleaved };
 struct RopeQuantizeArgs {
   TensorView q_nope;         // [T, H, 512] bf16/fp16/fp32, inner stride 1
@@ -113,7 +114,8 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
 //    Queries come either as one [T, H, 576] tensor `q`, or as q_nope [T, H, 512] and q_pe
 //    [T, H, 64] (no concatenation copy). Query, output and LSE may have any strides on the token
 //    and head dims; the last dim must be contiguous, and no two output elements may overlap
-//    (check::non_overlapping: a stride of 0 or rows laid over each other is an mla::Error).
+//    (check::non_overlapping: a stride of 0 or rows laid over each other is an mla::Error), nor
+//    may out or lse overlap each other or an input (check::disjoint).
 // The GPU decode kernel. kAuto runs the Hopper kernel (wgmma + TMA, warp-specialised) where it
 // applies: an sm_90 device, a build with sm_90a, a bf16 or fp16 query and cache of one dtype, a
 // page size >= 16, a cache of at most 2^31 - 1 token slots (P x S), 16-byte aligned query rows,
@@ -200,7 +202,7 @@ struct MhaPrefillArgs {
   float q_scale = 1.0f;    // fp8 inputs only
   float k_scale = 1.0f;
   float v_scale = 1.0f;
-  TensorView out;          // [Tq, H, 128] bf16/fp16/fp32
+  TensorView out;          // [Tq, H, 128] bf16/fp16/fp32; overlaps no input, nor lse
   TensorView lse;          // [Tq, H] fp32, optional
   // GPU only, a debug mode: before launching, copy cu_q_lens and cu_kv_lens to the host and check
   // them as the CPU path always does (ends 0 and Tq / Tk, non-decreasing, each length within
@@ -214,7 +216,9 @@ void mha_prefill(const MhaPrefillArgs& args, Stream stream = nullptr);
 // 6. merge_states: combines two partial attentions over disjoint key sets by their LSE:
 //      lse = ln(exp(lse_a) + exp(lse_b)),  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 //    A side with lse -inf contributes nothing; both -inf gives out 0, lse -inf (never NaN).
-//    out may alias out_a or out_b (in-place merge), lse_out may alias lse_a or lse_b.
+//    out may be out_a or out_b itself (the same view: an in-place merge), lse_out lse_a or lse_b;
+//    any other overlap of an output with an input or the other output is an mla::Error
+//    (check::same_or_disjoint).
 struct MergeStatesArgs {
   TensorView out_a;    // [T, H, Dv] bf16/fp16/fp32, inner stride 1
   TensorView lse_a;    // [T, H] fp32

@@ -71,6 +71,16 @@ void contiguous(const char* op, const char* arg, const TensorView& t);
 // An output: no two elements share an address (a stride of 0 over a dim of more than one element,
 // or rows laid over each other, would let one element's result overwrite another's).
 void non_overlapping(const char* op, const char* arg, const TensorView& t);
+// An output and an input (or two outputs) of the same call share no byte: their spans (from the
+// lowest to the highest element) are apart, or their rows lie side by side in one buffer (the
+// same row pitch, each in its own columns: k_nope_out and k_pe_out over a latent cache row).
+// Otherwise one element's result could overwrite an input another element still reads.
+void disjoint(const char* op, const char* out_arg, const TensorView& out, const char* in_arg,
+              const TensorView& in);
+// An output that may be computed in place over an input: the very same view (data, dtype, shape,
+// strides), or disjoint from it.
+void same_or_disjoint(const char* op, const char* out_arg, const TensorView& out,
+                      const char* in_arg, const TensorView& in);
 void same_device(const char* op, const char* arg, const TensorView& t, Device expected);
 // Rows of 16-byte chunks (the GPU kernels' copies): the base address and every stride but the
 // last (over a dim of more than one element) a multiple of 16 bytes. `where` says who needs it.

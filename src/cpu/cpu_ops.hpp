@@ -13,7 +13,8 @@ void mla_decode(const MlaDecodeArgs& args);
 // Checks every data-dependent value of an mla_decode call as the kernels use it (cu_q_lens,
 // kv_lens, the page ids of the keys in use) and throws mla::Error naming the first bad one.
 // cu_q_lens, kv_lens and block_table must be readable on the host. The CPU mla_decode runs it
-// on every call; the GPU one when MlaDecodeArgs::check_metadata is set, on host copies.
+// on every call; the GPU one when MlaDecodeArgs::check_metadata is set, on host copies, with
+// the GPU's rule for cu_q_lens[B] (at most T, not equal).
 void check_decode_metadata(const MlaDecodeArgs& args, int64_t num_tokens);
 void mha_prefill(const MhaPrefillArgs& args);
 // Checks cu_q_lens and cu_kv_lens of an mha_prefill call (readable on the host) and throws

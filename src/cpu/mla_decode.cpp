@@ -43,7 +43,9 @@ struct WorkItem {
 };
 
 // Reads cu_q_lens / kv_lens / block_table on the host and checks every value the kernel uses.
-std::vector<Request> read_requests(const MlaDecodeArgs& args, int64_t num_tokens) {
+// gpu_rules: cu_q_lens[B] may be below T (the GPU decode leaves the rows past it untouched).
+std::vector<Request> read_requests(const MlaDecodeArgs& args, int64_t num_tokens,
+                                   bool gpu_rules = false) {
   constexpr const char* op = "mla_decode";
   const int64_t batch = args.block_table.shape[0];
   const int64_t max_blocks = args.block_table.shape[1];
@@ -54,7 +56,8 @@ std::vector<Request> read_requests(const MlaDecodeArgs& args, int64_t num_tokens
   const int32_t* block_table = static_cast<const int32_t*>(args.block_table.data);
 
   if (cu_q_lens)
-    check_cu_lens_ends(op, "cu_q_lens", cu_q_lens, batch, num_tokens, "query tokens of q");
+    check_cu_lens_ends(op, "cu_q_lens", cu_q_lens, batch, num_tokens,
+                       args.q.empty() ? "query tokens of q_nope" : "query tokens of q", gpu_rules);
   std::vector<Request> requests(static_cast<size_t>(batch));
   for (int64_t b = 0; b < batch; ++b) {
     Request& req = requests[size_t(b)];
@@ -186,7 +189,7 @@ void mla_decode(const MlaDecodeArgs& args) {
 }
 
 void check_decode_metadata(const MlaDecodeArgs& args, int64_t num_tokens) {
-  (void)read_requests(args, num_tokens);
+  (void)read_requests(args, num_tokens, /*gpu_rules=*/true);
 }
 
 }  // namespace mla::cpu

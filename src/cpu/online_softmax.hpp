@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cpu/parallel.hpp"
@@ -72,12 +73,13 @@ inline int64_t causal_keys_seen(int64_t q_len, int64_t kv_len, int64_t row) {
 
 // ---- host checks of cumulative lengths cu[0 .. batch] ----------------------------------------
 
-// cu[0] == 0 and cu[batch] == total ("... must equal the <total> <total_what>").
+// cu[0] == 0 and cu[batch] == total ("... must equal the <total> <total_what>"), or with
+// at_most, cu[batch] <= total (rows past cu[batch] not covered: the GPU decode's padded batches).
 inline void check_cu_lens_ends(const char* op, const char* name, const int32_t* cu, int64_t batch,
-                               int64_t total, const char* total_what) {
+                               int64_t total, const std::string& total_what, bool at_most = false) {
   MLA_CHECK(cu[0] == 0, op, ": ", name, "[0] must be 0, got ", cu[0]);
-  MLA_CHECK(cu[batch] == total, op, ": ", name, "[", batch, "] must equal the ", total, " ",
-            total_what, ", got ", cu[batch]);
+  MLA_CHECK(at_most ? cu[batch] <= total : cu[batch] == total, op, ": ", name, "[", batch, "] must ",
+            at_most ? "be at most" : "equal", " the ", total, " ", total_what, ", got ", cu[batch]);
 }
 
 // cu[b + 1] - cu[b], the `what` (queries, keys) of request b: checks that cu does not decrease

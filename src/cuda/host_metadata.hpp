@@ -20,15 +20,22 @@ inline void require_not_capturing(const char* op, const char* what, cudaStream_t
 }
 
 // rows x cols int32 values of `src` (rows src_pitch elements apart, each row contiguous) into a
-// packed host vector, queued on `stream`: valid once the stream has been synchronised.
+// packed host vector, queued on `stream`: valid once the stream has been synchronised. A pitch
+// below cols (rows repeated or laid over each other: a stride of 0 from an expand) is copied row
+// by row.
 inline std::vector<int32_t> copy_int32_to_host(const TensorView& src, int64_t rows, int64_t cols,
                                                int64_t src_pitch, cudaStream_t stream) {
   std::vector<int32_t> dst(static_cast<size_t>(rows * cols));
-  if (!dst.empty()) {
+  if (dst.empty()) return dst;
+  if (src_pitch >= cols) {
     MLA_CUDA_CHECK(cudaMemcpy2DAsync(dst.data(), size_t(cols) * sizeof(int32_t), src.data,
                                      size_t(src_pitch) * sizeof(int32_t), size_t(cols) * sizeof(int32_t),
                                      size_t(rows), cudaMemcpyDeviceToHost, stream));
+    return dst;
   }
+  for (int64_t r = 0; r < rows; ++r)
+    MLA_CUDA_CHECK(cudaMemcpyAsync(dst.data() + r * cols, static_cast<const int32_t*>(src.data) + r * src_pitch,
+                                   size_t(cols) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   return dst;
 }
 

@@ -65,8 +65,10 @@ void mha_prefill(const MhaPrefillArgs& args, Stream stream) {
   detail::check_scale(op, "v_scale", args.v_scale);
 
   // Outputs.
-  detail::check_attention_outputs(op, args.out, args.lse, num_q_tokens, num_heads, kVHeadDim,
-                                  "v head dim");
+  detail::check_attention_outputs(
+      op, "q", args.out, args.lse, num_q_tokens, num_heads, kVHeadDim, "v head dim",
+      {{"q", &args.q}, {"k", &args.k}, {"v", &args.v}, {"cu_q_lens", &args.cu_q_lens},
+       {"cu_kv_lens", &args.cu_kv_lens}});
 
   const Device device = detail::common_device(
       op, {{"q", &args.q}, {"k", &args.k}, {"v", &args.v}, {"cu_q_lens", &args.cu_q_lens},

@@ -103,17 +103,17 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   detail::check_scale(op, "k_scale", args.k_scale);
 
   // Outputs.
-  detail::check_attention_outputs(op, args.out, args.lse, num_tokens, num_heads, kKvLoraRank,
-                                  "kv_lora_rank");
+  detail::check_attention_outputs(
+      op, q_name, args.out, args.lse, num_tokens, num_heads, kKvLoraRank, "kv_lora_rank",
+      {{"q", &args.q}, {"q_nope", &args.q_nope}, {"q_pe", &args.q_pe}, {"kv_cache", &args.kv_cache},
+       {"block_table", &args.block_table}, {"kv_lens", &args.kv_lens},
+       {"cu_q_lens", &args.cu_q_lens}});
 
   const Device device = detail::common_device(
       op, {{"q", &args.q}, {"q_nope", &args.q_nope}, {"q_pe", &args.q_pe},
            {"kv_cache", &args.kv_cache}, {"block_table", &args.block_table},
            {"kv_lens", &args.kv_lens}, {"cu_q_lens", &args.cu_q_lens}, {"out", &args.out},
            {"lse", &args.lse}});
-  MLA_CHECK(device.type == DeviceType::kCPU || args.cu_q_lens.empty() || args.max_q_len > 0, op,
-            ": max_q_len must be given (> 0) with cu_q_lens on ", device_name(device),
-            " (only the CPU derives it from cu_q_lens)");
   MLA_CHECK(batch > 0 || num_tokens == 0, op, ": ", q_name, " has ", num_tokens,
             " tokens but block_table has no requests");
   MLA_CHECK(!args.deterministic || args.schedule == nullptr || args.schedule->split_keys > 0, op,
@@ -125,7 +125,10 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
             args.schedule == nullptr ? 0 : args.schedule->split_keys,
             "), which plans the tiles of deterministic = true; set deterministic = true or "
             "use a schedule from make_decode_schedule");
-  if (batch == 0 || num_tokens == 0) return;
+  if (batch == 0 || num_tokens == 0) return;  // nothing to compute: no bound needed
+  MLA_CHECK(device.type == DeviceType::kCPU || args.cu_q_lens.empty() || args.max_q_len > 0, op,
+            ": max_q_len must be given (> 0) with cu_q_lens on ", device_name(device),
+            " (only the CPU derives it from cu_q_lens)");
   detail::run_on(op, device, [&] { cpu::mla_decode(args); },
                  [&] {
 #if defined(MLA_WITH_CUDA)

@@ -3,6 +3,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
 
 #include "mla/error.hpp"
 #include "mla/tensor.hpp"
@@ -24,24 +27,34 @@ inline void check_softmax_scale(const char* op, float softmax_scale) {
             softmax_scale);
 }
 
-// The outputs of an attention op over num_tokens query tokens of num_heads heads:
-// out [T, H, out_dim] bf16/fp16/fp32 with a contiguous last dim, and lse [T, H] fp32 if given.
-inline void check_attention_outputs(const char* op, const TensorView& out, const TensorView& lse,
-                                    int64_t num_tokens, int64_t num_heads, int64_t out_dim,
-                                    const char* out_dim_what) {
+// The outputs of an attention op over num_tokens query tokens of num_heads heads (q_name: the
+// query tensor the caller gave): out [T, H, out_dim] bf16/fp16/fp32 with a contiguous last dim,
+// and lse [T, H] fp32 if given; neither overlaps the other or any of `inputs` (not given: skipped).
+inline void check_attention_outputs(
+    const char* op, const char* q_name, const TensorView& out, const TensorView& lse,
+    int64_t num_tokens, int64_t num_heads, int64_t out_dim, const char* out_dim_what,
+    std::initializer_list<std::pair<const char*, const TensorView*>> inputs) {
+  const std::string tokens = std::string("tokens, as ") + q_name;
+  const std::string heads = std::string("heads, as ") + q_name;
   check::ndim(op, "out", out, 3);
-  check::dim(op, "out", out, 0, num_tokens, "tokens, as q");
-  check::dim(op, "out", out, 1, num_heads, "heads, as q");
+  check::dim(op, "out", out, 0, num_tokens, tokens.c_str());
+  check::dim(op, "out", out, 1, num_heads, heads.c_str());
   check::dim(op, "out", out, 2, out_dim, out_dim_what);
   check::dtype_in(op, "out", out, {DType::kBF16, DType::kFP16, DType::kFP32});
   check::inner_contiguous(op, "out", out);
   check::non_overlapping(op, "out", out);
   if (!lse.empty()) {
     check::ndim(op, "lse", lse, 2);
-    check::dim(op, "lse", lse, 0, num_tokens, "tokens, as q");
-    check::dim(op, "lse", lse, 1, num_heads, "heads, as q");
+    check::dim(op, "lse", lse, 0, num_tokens, tokens.c_str());
+    check::dim(op, "lse", lse, 1, num_heads, heads.c_str());
     check::dtype(op, "lse", lse, DType::kFP32);
     check::non_overlapping(op, "lse", lse);
+    check::disjoint(op, "lse", lse, "out", out);
+  }
+  for (const auto& [name, t] : inputs) {
+    if (t->empty()) continue;
+    check::disjoint(op, "out", out, name, *t);
+    if (!lse.empty()) check::disjoint(op, "lse", lse, name, *t);
   }
 }
 

@@ -89,6 +89,56 @@ TEST(TensorChecks, NonOverlappingOutputs) {
   EXPECT_FALSE(ok(view({3, 4}, {2, 1})));         // rows laid over each other
 }
 
+// check::disjoint / same_or_disjoint: apart spans pass; rows side by side in one buffer pass
+// (k_nope_out and k_pe_out over a cache row) unless their columns meet; any shared byte fails and
+// names both arguments; the very same view passes same_or_disjoint only (in place), a shifted one
+// or another dtype over the same bytes fails it.
+TEST(TensorChecks, DisjointOutputsAndInputs) {
+  alignas(16) float storage[1024] = {};
+  auto view = [&](int64_t offset, std::initializer_list<int64_t> shape,
+                  std::initializer_list<int64_t> stride, mla::DType dtype = mla::DType::kFP32) {
+    return mla::TensorView::strided(storage + offset, dtype, shape, stride, mla::Device::cpu());
+  };
+  const auto message = [](bool in_place, const mla::TensorView& out, const mla::TensorView& in) {
+    try {
+      if (in_place)
+        mla::check::same_or_disjoint("op", "out", out, "in", in);
+      else
+        mla::check::disjoint("op", "out", out, "in", in);
+      return std::string();
+    } catch (const mla::Error& e) {
+      return std::string(e.what());
+    }
+  };
+  const mla::TensorView rows = view(64, {4, 8}, {8, 1});
+  EXPECT_EQ(message(false, rows, view(96, {4, 8}, {8, 1})), "");  // right after it
+  EXPECT_EQ(message(false, rows, view(32, {4, 8}, {8, 1})), "");  // right before it
+  const std::string last = message(false, rows, view(95, {1, 1}, {1, 1}));
+  EXPECT_EQ(last.find("op: out ([4, 8] fp32 cpu) overlaps in ([1, 1] fp32 cpu); give out its own memory"), 0u)
+      << last;
+  EXPECT_NE(message(false, rows, view(56, {4, 8}, {8, 1})), "");  // shifted back by one row
+  // Side by side: [T, 576]-like rows of pitch 12, columns [0, 8) and [8, 12).
+  const mla::TensorView left = view(0, {5, 8}, {12, 1});
+  EXPECT_EQ(message(false, left, view(8, {5, 4}, {12, 1})), "");
+  EXPECT_EQ(message(false, view(8, {5, 4}, {12, 1}), left), "");
+  EXPECT_NE(message(false, left, view(7, {5, 4}, {12, 1})), "");   // column 7 shared
+  EXPECT_NE(message(false, left, view(8, {5, 5}, {12, 1})), "");   // reaches the next row's column 0
+  EXPECT_NE(message(false, left, view(8, {5, 4}, {10, 1})), "");   // another pitch: spans decide
+  EXPECT_EQ(message(false, view(0, {2, 3, 8}, {36, 12, 1}), view(8, {2, 3, 4}, {36, 12, 1})), "");
+  // Negative strides run down from data.
+  EXPECT_NE(message(false, view(64, {4, 8}, {-8, 1}), view(40, {1, 8}, {8, 1})), "");
+  EXPECT_EQ(message(false, view(64, {4, 8}, {-8, 1}), view(72, {1, 8}, {8, 1})), "");
+  // Nothing written or read: no overlap.
+  EXPECT_EQ(message(false, view(64, {0, 8}, {8, 1}), rows), "");
+  // In place.
+  EXPECT_EQ(message(true, rows, rows), "");
+  EXPECT_EQ(message(false, rows, rows).empty(), false);
+  const std::string shifted = message(true, rows, view(72, {4, 8}, {8, 1}));
+  EXPECT_NE(shifted.find("op: out ([4, 8] fp32 cpu) partly overlaps in"), std::string::npos) << shifted;
+  EXPECT_NE(message(true, rows, view(64, {4, 8}, {8, 1}, mla::DType::kInt32)), "");
+  EXPECT_NE(message(true, rows, view(64, {4, 4}, {8, 1})), "");
+}
+
 // check::rows_aligned16: the base and every outer stride (over a dim of more than one element)
 // a multiple of 16 bytes; the message names the argument, the stride and who needs it.
 TEST(TensorChecks, RowsAlignedTo16Bytes) {

@@ -161,6 +161,42 @@ TEST(MergeStatesCpu, InPlaceAliasing) {
   }
 }
 
+// Only the very same view may be merged into: an output shifted over an input (row i's result
+// would overwrite row i + 1's input before it is read), the same bytes as another dtype, or an
+// output over the other kind of input are errors that name both, and nothing is written.
+TEST(MergeStatesCpu, PartialOverlapIsAnError) {
+  MergeProblem p = make_problem(4, 2, 16, DType::kFP32, DType::kFP32, DType::kFP32, {Sides::kBoth}, 17);
+  std::mt19937_64 rng(18);
+  HostTensor buffer(DType::kFP32, {5, 2, 16});  // one token more than the states
+  buffer.fill_uniform(rng, -2.0f, 2.0f);
+  auto a = p.args;
+  a.out_a = TensorView::contiguous(buffer.data(), DType::kFP32, {4, 2, 16});
+  a.out = TensorView::contiguous(static_cast<float*>(buffer.data()) + 32, DType::kFP32, {4, 2, 16});
+  const std::vector<float> before = gather_floats(buffer.view());
+  EXPECT_TRUE(throws_error([&] { merge_states(a); }, {"merge_states: out", "partly overlaps out_a"}));
+  EXPECT_EQ(gather_floats(buffer.view()), before);
+  a.out = a.out_a;
+  a.out.dtype = DType::kBF16;  // the same address, another dtype
+  EXPECT_TRUE(throws_error([&] { merge_states(a); }, {"out", "partly overlaps out_a"}));
+  a = p.args;
+  a.out_b = TensorView::contiguous(buffer.data(), DType::kFP32, {4, 2, 16});
+  a.out = TensorView::strided(buffer.data(), DType::kFP32, {4, 2, 16}, {16, 64, 1});  // transposed
+  EXPECT_TRUE(throws_error([&] { merge_states(a); }, {"out", "partly overlaps out_b"}));
+  a = p.args;
+  HostTensor lse_buffer(DType::kFP32, {5, 2});
+  lse_buffer.fill_uniform(rng, -2.0f, 2.0f);
+  a.lse_a = TensorView::contiguous(lse_buffer.data(), DType::kFP32, {4, 2});
+  a.lse_out = TensorView::contiguous(static_cast<float*>(lse_buffer.data()) + 2, DType::kFP32, {4, 2});
+  EXPECT_TRUE(throws_error([&] { merge_states(a); }, {"lse_out", "partly overlaps lse_a"}));
+  a = p.args;
+  a.lse_b = TensorView::contiguous(buffer.data(), DType::kFP32, {4, 2});  // inside out's bytes
+  a.out = TensorView::contiguous(buffer.data(), DType::kFP32, {4, 2, 16});
+  EXPECT_TRUE(throws_error([&] { merge_states(a); }, {"out", "overlaps lse_b"}));
+  a = p.args;
+  a.lse_out = TensorView::contiguous(p.out_a.data(), DType::kFP32, {4, 2});
+  EXPECT_TRUE(throws_error([&] { merge_states(a); }, {"lse_out", "overlaps out_a"}));
+}
+
 TEST(MergeStatesCpu, StridedViewsAndNoLse) {
   const std::vector<Sides> mixed = {Sides::kBoth, Sides::kNone, Sides::kOnlyA};
   MergeProblem p = make_problem(3, 4, 64, DType::kFP32, DType::kFP32, DType::kFP32, mixed, 14);

@@ -753,6 +753,30 @@ TEST_F(MlaDecodeErrors, ScalesAndOutputs) {
   a = args();
   a.out = TensorView();
   EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"out is required"}));
+  // Outputs over an input or over each other.
+  a = args();
+  a.out = TensorView::strided(a.q.data, a.q.dtype, {4, 4, kKvLoraRank}, {a.q.stride[0], a.q.stride[1], 1});
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"mla_decode: out", "overlaps q", "its own memory"}));
+  a = args();
+  a.lse = TensorView::contiguous(a.kv_cache.data, DType::kFP32, {4, 4});
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"lse", "overlaps kv_cache"}));
+  a = args();
+  a.lse = TensorView::contiguous(a.out.data, DType::kFP32, {4, 4});
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"lse", "overlaps out"}));
+  a = args();
+  a.lse = TensorView::contiguous(a.block_table.data, DType::kFP32, {4, 4});
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"lse", "overlaps block_table"}));
+  // A split query: the messages name q_nope.
+  a = args();
+  a.q_nope = a.q;
+  a.q_nope.shape[2] = kKvLoraRank;
+  a.q_pe = a.q;
+  a.q_pe.data = static_cast<char*>(a.q.data) + kKvLoraRank * dtype_size(a.q.dtype);
+  a.q_pe.shape[2] = kRopeDim;
+  a.q = TensorView();
+  ASSERT_NO_THROW(mla_decode(a));  // q_nope and q_pe side by side in q's rows
+  a.out.shape[0] = 3;
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"out.shape[0] must be 4 (tokens, as q_nope)"}));
 }
 
 TEST_F(MlaDecodeErrors, Devices) {

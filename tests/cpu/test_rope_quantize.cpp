@@ -441,6 +441,21 @@ TEST(RopeQuantize, BadArgumentsNameTheArgument) {
   expect_error([&](Fixture& f) {
     f.args.k_pe_out = TensorView::strided(big2.data(), DType::kBF16, {T, kRope}, {32, 1});
   }, {"k_pe_out", "overlap"});
+  // Outputs over inputs or over each other: an in-place call is not supported.
+  expect_error([&](Fixture& f) {
+    f.args.q_nope = TensorView::strided(big.data(), DType::kBF16, {T, H, kNope}, {H * 2 * kEntry, 2 * kEntry, 1});
+    f.args.q_out = TensorView::strided(big.data(), DType::kBF16, {T, H, kEntry}, {H * 2 * kEntry, 2 * kEntry, 1});
+  }, {"rope_quantize: q_out", "overlaps q_nope", "give q_out its own memory"});
+  expect_error([](Fixture& f) { f.args.k_nope_out = f.args.k_nope; }, {"k_nope_out", "overlaps k_nope"});
+  expect_error([](Fixture& f) { f.args.k_pe_out = f.args.k_pe; }, {"k_pe_out", "overlaps k_pe"});
+  expect_error([](Fixture& f) {
+    f.args.k_pe_out = TensorView::strided(f.q_pe.data(), DType::kBF16, {T, kRope}, {H * kRope, 1});
+  }, {"k_pe_out", "overlaps q_pe"});
+  expect_error([&](Fixture& f) {
+    f.args.q_out = TensorView::strided(big.data(), DType::kBF16, {T, H, kEntry}, {H * 2 * kEntry, 2 * kEntry, 1});
+    f.args.k_pe_out = TensorView::strided(static_cast<uint16_t*>(big.data()) + kNope, DType::kBF16, {T, kRope},
+                                          {H * 2 * kEntry, 1});  // head 0's rope columns
+  }, {"k_pe_out", "overlaps q_out"});
   expect_error([&](Fixture& f) { f.args.k_pe_out = k_out_fp8.view(); }, {"k_pe_out", "bf16", "fp8e4m3"});
   expect_error([&](Fixture& f) {
     f.args.k_pe_out = TensorView::strided(big2.data(), DType::kBF16, {T, kRope}, {2 * kEntry, 2});

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -32,6 +33,7 @@
 #include <tuple>
 #include <random>
 #include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -1308,6 +1310,78 @@ TEST(GpuDecodeErrors, ScheduleArguments) {
                            {"plan_decode", "workspace"}));
 }
 
+// A decode whose queries are not the ones its schedule was planned for passes every host check
+// and the header's batch, heads, grid and row tiles (8 heads: 16-row tiles for 1 and 2 queries;
+// 64 heads: 64-row tiles, the Hopper kernel where it runs). The plan's items hold each request's
+// query rows, so it would run those and leave the others unwritten: the kernels trap instead. A
+// trap ends the process's CUDA context, so each call runs in a death test's child, which exits 3
+// when the stream reports an error and 0 when it does not (the matching calls).
+struct QueryShape {
+  bool cu;        // cu_q_lens given (every request `queries` long), else q_len = queries
+  int queries;    // a request's queries
+  int max_q_len;  // with cu_q_lens
+};
+
+int plan_then_decode(int heads, QueryShape plan, QueryShape run) {
+  constexpr int kB = 4, kPage = 64, kBlocks = 2;
+  const int64_t tokens = int64_t(kB) * run.queries;
+  const Device dev = Device::cuda(0);
+  DeviceBuffer q(size_t(tokens) * heads * kDim * 2), cache(size_t(kB) * kBlocks * kPage * kDim * 2),
+      bt(kB * kBlocks * 4), kvl(kB * 4), cu_plan((kB + 1) * 4), cu_run((kB + 1) * 4),
+      out(size_t(tokens) * heads * kVDim * 2);
+  if (cudaMemset(q.ptr, 0x3c, q.bytes) != cudaSuccess || cudaMemset(cache.ptr, 0x3c, cache.bytes) != cudaSuccess)
+    return 4;
+  std::vector<int32_t> table(kB * kBlocks);
+  std::iota(table.begin(), table.end(), 0);
+  bt.upload(int32_tensor(table));
+  kvl.upload(int32_tensor({100, 37, 128, 1}));
+  auto cu_of = [](int queries) {
+    std::vector<int32_t> cu(kB + 1);
+    for (int b = 0; b <= kB; ++b) cu[size_t(b)] = b * queries;
+    return int32_tensor(cu);
+  };
+  cu_plan.upload(cu_of(plan.queries));
+  cu_run.upload(cu_of(run.queries));
+  const TensorView kv_lens = TensorView::contiguous(kvl.ptr, DType::kInt32, {kB}, dev);
+  OwnedSchedule sched(kB, 2, heads);
+  if (plan.cu)
+    plan_decode(sched.schedule, kv_lens, TensorView::contiguous(cu_plan.ptr, DType::kInt32, {kB + 1}, dev), 0,
+                plan.max_q_len);
+  else
+    plan_decode(sched.schedule, kv_lens, TensorView{}, plan.queries, plan.queries);
+  MlaDecodeArgs a;
+  a.q = TensorView::contiguous(q.ptr, DType::kBF16, {tokens, heads, kDim}, dev);
+  a.kv_cache = TensorView::contiguous(cache.ptr, DType::kBF16, {kB * kBlocks, kPage, kDim}, dev);
+  a.block_table = TensorView::contiguous(bt.ptr, DType::kInt32, {kB, kBlocks}, dev);
+  a.kv_lens = kv_lens;
+  if (run.cu) {
+    a.cu_q_lens = TensorView::contiguous(cu_run.ptr, DType::kInt32, {kB + 1}, dev);
+    a.max_q_len = run.max_q_len;
+  } else {
+    a.q_len = run.queries;
+  }
+  a.softmax_scale = 0.0721687836f;
+  a.out = TensorView::contiguous(out.ptr, DType::kBF16, {tokens, heads, kVDim}, dev);
+  a.schedule = &sched.schedule;
+  mla_decode(a);
+  return cudaDeviceSynchronize() == cudaSuccess ? 0 : 3;
+}
+
+TEST(GpuDecodeScheduleDeathTest, QueriesOtherThanThePlansTrap) {
+  MLA_REQUIRE_GPU();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const QueryShape one{false, 1, 0}, two{false, 2, 0}, cu_one_of_2{true, 1, 2}, cu_one_of_1{true, 1, 1},
+      cu_two_of_2{true, 2, 2};
+  for (int heads : {8, 64}) {
+    SCOPED_TRACE("heads " + std::to_string(heads));
+    EXPECT_EXIT(std::exit(plan_then_decode(heads, two, two)), ::testing::ExitedWithCode(0), "");
+    EXPECT_EXIT(std::exit(plan_then_decode(heads, cu_one_of_2, cu_one_of_2)), ::testing::ExitedWithCode(0), "");
+    EXPECT_EXIT(std::exit(plan_then_decode(heads, one, two)), ::testing::ExitedWithCode(3), "");
+    EXPECT_EXIT(std::exit(plan_then_decode(heads, cu_one_of_2, cu_one_of_1)), ::testing::ExitedWithCode(3), "");
+    EXPECT_EXIT(std::exit(plan_then_decode(heads, two, cu_two_of_2)), ::testing::ExitedWithCode(3), "");
+  }
+}
+
 // Deterministic schedules: their capacity arguments, and mla_decode's pairing of the schedule
 // with the mode and of the block table with max_kv_len.
 TEST(GpuDecodeErrors, DeterministicScheduleArguments) {
@@ -1465,6 +1539,52 @@ TEST(GpuDecodeErrors, CheckMetadataNamesTheFirstBadValue) {
     EXPECT_NE(std::string(captured.message()).find("check_metadata"), std::string::npos) << captured.message();
   }
   MLA_TEST_CUDA(cudaDeviceSynchronize());
+}
+
+// check_metadata with the GPU's rules: a padded batch (cu_q_lens[B] below T; the rows past it
+// untouched) passes and cu_q_lens[B] past T is named; a block table whose requests share one row
+// (stride 0, as an expand gives) is copied row by row and checked as the kernels read it.
+TEST(GpuDecodeErrors, CheckMetadataTakesPaddedBatchesAndSharedRows) {
+  MLA_REQUIRE_GPU();
+  DecodeCase c = fixed(16, 16, {20, 40, 7}, 2);  // T = 6
+  DecodeData d = make_data(c);
+  {
+    DeviceData dev(d);
+    MlaDecodeArgs a = dev.args(d);
+    a.check_metadata = true;
+    DeviceBuffer cu(4 * sizeof(int32_t));
+    cu.upload(int32_tensor({0, 2, 3, 4}));
+    a.cu_q_lens = TensorView::contiguous(cu.ptr, DType::kInt32, {4}, Device::cuda(0));
+    a.max_q_len = 2;
+    EXPECT_NO_THROW(mla_decode(a));
+    MLA_TEST_CUDA(cudaDeviceSynchronize());
+    ASSERT_NE(a.lse.data, nullptr);
+    float covered = 0.0f, padded = 0.0f;
+    MLA_TEST_CUDA(cudaMemcpy(&covered, static_cast<float*>(a.lse.data) + 3 * a.lse.stride[0], sizeof(float),
+                             cudaMemcpyDeviceToHost));
+    MLA_TEST_CUDA(cudaMemcpy(&padded, static_cast<float*>(a.lse.data) + 4 * a.lse.stride[0], sizeof(float),
+                             cudaMemcpyDeviceToHost));
+    EXPECT_FALSE(std::isnan(covered));
+    EXPECT_TRUE(std::isnan(padded));  // row 4 is past cu_q_lens[3]
+    cu.upload(int32_tensor({0, 2, 4, 7}));
+    EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"cu_q_lens[3] must be at most the 6 query tokens of q, got 7"}));
+  }
+  // Row 0 made valid for every request's keys (request 1 reads its block 2), then shared.
+  d.block_table.i32(2) = d.block_table.i32(1 * d.max_blocks + 2);
+  for (int32_t page : {d.block_table.i32(2), int32_t(d.P + 3)}) {
+    d.block_table.i32(2) = page;
+    DeviceData dev(d);
+    MlaDecodeArgs a = dev.args(d);
+    a.check_metadata = true;
+    a.block_table.stride[0] = 0;
+    if (page < d.P) {
+      EXPECT_NO_THROW(mla_decode(a));
+    } else {
+      const std::string value = "= " + std::to_string(page);
+      EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"block_table[1, 2]", value.c_str()}));
+    }
+    MLA_TEST_CUDA(cudaDeviceSynchronize());
+  }
 }
 
 TEST(GpuDecodeErrors, ScheduleMustFitTheCall) {

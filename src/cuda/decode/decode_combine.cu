@@ -292,7 +292,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
   // that this grid completes only after the decode kernel has.
   const ScheduleHeader& header = *p.schedule.header;
   if (header.magic != kScheduleMagic || header.batch_size != p.layout.batch_size ||
-      header.num_heads != p.layout.num_heads || header.lanes < 1 || header.block_m < 1) {
+      header.num_heads != p.layout.num_heads || header.lanes < 1 || header.block_m < 1 ||
+      header.q_shape != schedule_q_shape(p.layout)) {
     // A plan for another batch shape: the decode kernel traps on it too. Nothing past the header
     // is read, so that no index it holds is followed.
     wait_for_prior_grids();

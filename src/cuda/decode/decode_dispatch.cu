@@ -289,7 +289,7 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
     MLA_CHECK(args.kv_lens.device.index == s.device, op, ": the schedule's workspace is on cuda:",
               s.device, " but the tensors are on ", device_name(args.kv_lens.device));
     MLA_CHECK(s.num_heads == num_heads, op, ": the schedule was made for ", s.num_heads,
-              " heads but q has ", num_heads);
+              " heads but ", split_q ? "q_nope" : "q", " has ", num_heads);
     MLA_CHECK(batch <= s.max_batch, op, ": batch of ", batch,
               " requests exceeds the schedule's max_batch ", s.max_batch);
     MLA_CHECK(max_q_len <= s.max_q_len, op, ": max_q_len ", max_q_len,

@@ -54,7 +54,7 @@ struct __align__(16) ScheduleHeader {  // three 16-byte words (load_header)
   int num_slots;        // partial-result slots of lane 0 (lane r uses slot + r * num_slots)
   int max_pieces;       // most pieces of one split unit (the combine kernel's shape)
   int split_keys;       // a deterministic plan's cuts (fixed_split.hpp); 0: the balanced plan
-  int pad;
+  int q_shape;          // the queries the plan used (schedule_q_shape)
 };
 static_assert(sizeof(ScheduleHeader) == 48, "load_header reads three 16-byte words");
 // Lanes. When every request has several row tiles (more than 64 rows: 128 heads, or 16 heads with
@@ -111,6 +111,13 @@ struct BatchLayout {
   int batch_size;             // B
   int num_heads;              // H
 };
+
+// The queries of a batch layout in one word, for the header's check: q_len without cu_q_lens,
+// -max_q_len with them. A decode whose queries differ from its plan's would otherwise run the
+// plan's query rows (items hold each request's q_start and q_len) and pass every other check.
+__host__ __device__ inline int schedule_q_shape(const BatchLayout& layout) {
+  return layout.cu_q_lens != nullptr ? -layout.max_q_len : layout.q_len;
+}
 
 struct RequestGeometry {
   int q_start;  // first query token of the request
@@ -345,7 +352,8 @@ __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int
   const int end_guess = p.schedule.part_begin[v_guess + 1];
   const ScheduleHeader h = load_header(p.schedule.header);
   if (h.magic != kScheduleMagic || h.block_m != block_m || h.batch_size != p.layout.batch_size ||
-      h.num_heads != p.layout.num_heads || h.num_parts != int(gridDim.x) || h.lanes < 1) {
+      h.num_heads != p.layout.num_heads || h.num_parts != int(gridDim.x) || h.lanes < 1 ||
+      h.q_shape != schedule_q_shape(p.layout)) {
     __trap();
   }
   const int v = int(blockIdx.x) / h.lanes;

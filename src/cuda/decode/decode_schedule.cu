@@ -536,6 +536,7 @@ __device__ __forceinline__ void plan_line(const PlanThread& th, PlanShared& sh, 
     h.block_m = pp.block_m;
     h.batch_size = pp.layout.batch_size;
     h.num_heads = pp.layout.num_heads;
+    h.q_shape = schedule_q_shape(pp.layout);
     h.num_parts = pp.num_parts;
     h.lanes = lanes;
     h.num_slots = num_slots;
@@ -763,6 +764,7 @@ __global__ void __launch_bounds__(kPlanMaxThreads) plan_fixed_kernel(const __gri
     h.block_m = pp.block_m;
     h.batch_size = batch;
     h.num_heads = pp.layout.num_heads;
+    h.q_shape = schedule_q_shape(pp.layout);
     h.num_parts = pp.num_parts;
     h.lanes = launch.lanes;
     h.num_slots = all.slots;
