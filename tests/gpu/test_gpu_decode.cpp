@@ -1541,6 +1541,30 @@ TEST(GpuDecodeErrors, CheckMetadataNamesTheFirstBadValue) {
   MLA_TEST_CUDA(cudaDeviceSynchronize());
 }
 
+// An empty batch (an idle step) is a no-op on the GPU as on the CPU, with cu_q_lens and the
+// max_q_len of an empty list (0), with or without a schedule and check_metadata.
+TEST(GpuDecodeErrors, EmptyBatchNeedsNoMaxQLen) {
+  MLA_REQUIRE_GPU();
+  const Device dev = Device::cuda(0);
+  DeviceBuffer cache(64 * kDim * 2), cu(sizeof(int32_t)), any(256);
+  cu.upload(int32_tensor({0}));
+  OwnedSchedule sched(4, 2, 16);
+  MlaDecodeArgs a;
+  a.q = TensorView::contiguous(any.ptr, DType::kBF16, {0, 16, kDim}, dev);
+  a.kv_cache = TensorView::contiguous(cache.ptr, DType::kBF16, {1, 64, kDim}, dev);
+  a.block_table = TensorView::contiguous(any.ptr, DType::kInt32, {0, 4}, dev);
+  a.kv_lens = TensorView::contiguous(any.ptr, DType::kInt32, {0}, dev);
+  a.cu_q_lens = TensorView::contiguous(cu.ptr, DType::kInt32, {1}, dev);
+  a.max_q_len = 0;
+  a.softmax_scale = 0.0721687836f;
+  a.out = TensorView::contiguous(any.ptr, DType::kBF16, {0, 16, kVDim}, dev);
+  EXPECT_NO_THROW(mla_decode(a));
+  a.schedule = &sched.schedule;
+  a.check_metadata = true;
+  EXPECT_NO_THROW(mla_decode(a));
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
+}
+
 // check_metadata with the GPU's rules: a padded batch (cu_q_lens[B] below T; the rows past it
 // untouched) passes and cu_q_lens[B] past T is named; a block table whose requests share one row
 // (stride 0, as an expand gives) is copied row by row and checked as the kernels read it.
