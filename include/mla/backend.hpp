@@ -101,6 +101,7 @@ struct BackendConfig {
   int deterministic_split_keys = 0;
 };
 
+// save_latent_kv and gather_prefix_chunk read only kv_cache and k_scale.
 struct LayerParams {
   TensorView kv_cache;        // [P, S, 576] this layer's latent cache, kv_cache_dtype, contiguous
   float k_scale = 1.0f;       // fp8 cache: dequantised = stored * k_scale (ignored otherwise)
@@ -214,7 +215,9 @@ class Backend {
 
   // DECODE / TARGET_VERIFY / DRAFT_EXTEND: optionally saves the new latents, optionally ropes,
   // then absorbed attention over the paged cache. A batch larger than the planned one (data-
-  // parallel padding) is re-planned first.
+  // parallel padding grows batch_size and the device tensors) is re-planned first; host lists
+  // shorter than the new batch_size are not used for it. A CUDA-graph plan is not re-planned
+  // (an error): capture and replay with the padded size.
   void forward_decode(const ForwardBatch& batch, const LayerParams& layer,
                       const AbsorbedAttentionArgs& args, Stream stream = nullptr);
 

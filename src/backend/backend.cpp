@@ -518,11 +518,15 @@ const Plan& Backend::Impl::plan_for(const char* op, const ForwardBatch& batch, S
               " requests (init_forward_metadata_capture/replay_cuda_graph); capture and replay "
               "with the padded batch size, or plan this batch with init_forward_metadata");
     // Data-parallel padding grew the batch after it was planned: re-plan rather than read past
-    // the end of the plan.
+    // the end of the plan. The padding grows batch_size and the device tensors; host lists it
+    // left short are optional in the decode family and are not used then.
+    ForwardBatch grown = batch;
+    for (std::span<const int32_t>* host : {&grown.seq_lens_cpu, &grown.extend_seq_lens_cpu})
+      if (int64_t(host->size()) < grown.batch_size) *host = {};
     if (replan_all_steps)
-      replan_all_steps(batch, stream);
+      replan_all_steps(grown, stream);
     else
-      plan_batch(batch, stream);
+      plan_batch(grown, stream);
   }
   MLA_CHECK(batch.batch_size == plan.batch_size, op, ": batch.batch_size is ", batch.batch_size,
             " but the plan has ", plan.batch_size, " requests");
@@ -530,6 +534,14 @@ const Plan& Backend::Impl::plan_for(const char* op, const ForwardBatch& batch, S
 }
 
 void Backend::Impl::check_layer(const char* op, const LayerParams& layer) const {
+  check_cache(op, layer);
+  MLA_CHECK(finite_positive(layer.softmax_scale), op, ": layer.softmax_scale (layer ",
+            layer.layer_id, ") must be finite and > 0 (e.g. 1/sqrt(192)), got ", layer.softmax_scale);
+  MLA_CHECK(finite_positive(layer.q_scale), op, ": layer.q_scale (layer ", layer.layer_id,
+            ") must be finite and > 0, got ", layer.q_scale);
+}
+
+void Backend::Impl::check_cache(const char* op, const LayerParams& layer) const {
   const TensorView& kv = layer.kv_cache;
   check::ndim(op, "layer.kv_cache", kv, 3);
   check::dim(op, "layer.kv_cache", kv, 1, config.page_size, "page size, as BackendConfig::page_size");
@@ -537,12 +549,8 @@ void Backend::Impl::check_layer(const char* op, const LayerParams& layer) const 
   check::dtype(op, "layer.kv_cache", kv, config.kv_cache_dtype);
   check::contiguous(op, "layer.kv_cache", kv);
   check::same_device(op, "layer.kv_cache", kv, config.device);
-  MLA_CHECK(finite_positive(layer.softmax_scale), op, ": layer.softmax_scale (layer ",
-            layer.layer_id, ") must be finite and > 0 (e.g. 1/sqrt(192)), got ", layer.softmax_scale);
   MLA_CHECK(finite_positive(layer.k_scale), op, ": layer.k_scale (layer ", layer.layer_id,
             ") must be finite and > 0, got ", layer.k_scale);
-  MLA_CHECK(finite_positive(layer.q_scale), op, ": layer.q_scale (layer ", layer.layer_id,
-            ") must be finite and > 0, got ", layer.q_scale);
 }
 
 bool Backend::Impl::uses_schedule() const {
@@ -892,7 +900,7 @@ void Backend::save_latent_kv(const ForwardBatch& batch, const LayerParams& layer
                              const TensorView& k_nope, const TensorView& k_pe, Stream stream) {
   constexpr const char* op = "save_latent_kv";
   if (batch.mode == ForwardMode::kIdle) return;
-  impl_->check_layer(op, layer);
+  impl_->check_cache(op, layer);
   check::ndim(op, "k_nope", k_nope, 2);
   const int64_t num_tokens = k_nope.shape[0];
   check::same_device(op, "k_nope", k_nope, impl_->config.device);
@@ -937,7 +945,7 @@ void Backend::gather_prefix_chunk(int chunk_idx, const LayerParams& layer,
   constexpr const char* op = "gather_prefix_chunk";
   Impl& s = *impl_;
   s.check_chunk_index(op, chunk_idx);
-  s.check_layer(op, layer);
+  s.check_cache(op, layer);
   const PrefixChunk& chunk = s.plan.extend.chunks[size_t(chunk_idx)];
   check::ndim(op, "latent_out", latent_out, 2);
   check::dim(op, "latent_out", latent_out, 0, chunk.num_tokens, "prefix tokens in the chunk");

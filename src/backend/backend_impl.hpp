@@ -118,7 +118,10 @@ struct Backend::Impl {
   // the message) and the layer, and returns plan_for(batch).
   const Plan* begin_forward(const char* op, const ForwardBatch& batch, bool decode_family,
                             const char* mode_hint, const LayerParams& layer, Stream stream);
+  // The layer of an attention call (cache and every scale), of a cache-only call (the cache and
+  // k_scale: save_latent_kv, gather_prefix_chunk).
   void check_layer(const char* op, const LayerParams& layer) const;
+  void check_cache(const char* op, const LayerParams& layer) const;
   // Queries per request of the fixed-length decode-family modes.
   int fixed_q_len(const char* op, ForwardMode mode, int batch_num_draft_tokens) const;
   void run_absorbed(const char* op, const ForwardBatch& batch, const LayerParams& layer,

@@ -138,6 +138,14 @@ LayerParams make_layer(Pool& pool) {
   return layer;
 }
 
+// All that save_latent_kv and gather_prefix_chunk read: no softmax scale.
+LayerParams cache_only(Pool& pool) {
+  LayerParams layer;
+  layer.kv_cache = pool.cache_view();
+  layer.k_scale = pool.k_scale;
+  return layer;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Float64 naive attention over the logical sequence.
 
@@ -989,7 +997,7 @@ TEST(BackendExtend, ChunkedPrefixEqualsOneShotNaiveAttention) {
     backend.init_forward_metadata(batch);
     EXPECT_FALSE(backend.plan().extend.use_absorbed);
     const LayerParams layer = make_layer(pool);
-    backend.save_latent_kv(batch, layer, p.k_nope.view(), p.k_pe.view());
+    backend.save_latent_kv(batch, cache_only(pool), p.k_nope.view(), p.k_pe.view());
     std::vector<int> calls;
     backend.forward_extend_chunked(batch, layer, p.mha_args(), make_up_project(proj, 1.0f, &calls));
     int64_t total_prefix = 0;
@@ -1130,7 +1138,7 @@ TEST(BackendExtend, StepByStepChunkedPathEqualsConvenience) {
   for (int c = 0; c < backend.num_prefix_chunks(); ++c) {
     const PrefixChunk& chunk = backend.plan().extend.chunks[size_t(c)];
     HostTensor latent = nan_tensor(DType::kFP16, {chunk.num_tokens, kLatentDim});
-    backend.gather_prefix_chunk(c, layer, latent.view());
+    backend.gather_prefix_chunk(c, cache_only(pool), latent.view());
     // The gathered rows are the chunk's prefix tokens, request-major.
     int64_t n = 0;
     for (size_t b = 0; b < 3; ++b)
@@ -1277,6 +1285,39 @@ TEST(BackendReplan, ForwardOfALargerBatchReplansInsteadOfReadingPastThePlan) {
   step1_batch.seq_lens = first.seq_lens.view();  // the same batch for every step
   draft.step(1).forward_decode(step1_batch, make_layer(pool), second.args());
   expect_matches(second, naive_absorbed(pool, second), "draft step 1 after re-plan");
+}
+
+// The padding grows batch_size and the device tensors but may leave the engine's host lists
+// short: the re-plan then works from the device tensors (DECODE; DRAFT_EXTEND with the queries
+// from extend_seq_lens, bounded by num_draft_tokens).
+TEST(BackendReplan, HostListsLeftShortByThePaddingAreNotUsed) {
+  std::mt19937_64 rng(62);
+  const int heads = 4;
+  for (ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kDraftExtend}) {
+    SCOPED_TRACE(forward_mode_name(mode));
+    const bool draft = mode == ForwardMode::kDraftExtend;
+    Pool pool(16, 64, 256, 4, DType::kFP16, 7);
+    AbsorbedProblem p = make_absorbed_problem(
+        pool, {{0, 30, draft ? 2 : 1}, {1, 7, 1}, {2, 100, draft ? 3 : 1}}, heads, DType::kFP16, rng);
+    Backend backend(make_config(pool, heads));
+    auto shortened = [&](int planned_size) {
+      ForwardBatch b = p.batch(mode);
+      b.seq_lens_cpu = std::span<const int32_t>(p.seq_lens_cpu).first(2);
+      if (draft) b.extend_seq_lens_cpu = std::span<const int32_t>(p.extend_seq_lens_cpu).first(2);
+      b.batch_size = planned_size;
+      b.num_draft_tokens = 3;
+      return b;
+    };
+    backend.init_forward_metadata(shortened(2));
+    ASSERT_EQ(backend.plan().batch_size, 2);
+    p.poison_outputs();
+    backend.forward_decode(shortened(3), make_layer(pool), p.args());
+    EXPECT_EQ(backend.plan().batch_size, 3);
+    expect_matches(p, naive_absorbed(pool, p), "re-planned from the device lengths");
+    // Planned directly, short host lists are still an error: they are the engine's own.
+    EXPECT_TRUE(throws_error([&] { backend.init_forward_metadata(shortened(3)); },
+                             {"_lens_cpu must have batch_size = 3 entries, got 2"}));
+  }
 }
 
 // A graph state that cannot be allocated leaves the previous one in use: the draft backend's
