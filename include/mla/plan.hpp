@@ -56,8 +56,9 @@ int padded_block_count(int64_t max_seq_len, int page_size);
 //
 // Cost model behind the automatic rule, per head: the chunked path up-projects every prefix token
 // (2 * 512 * 256 = 262144 FLOPs), the absorbed path instead pays (576 + 512) - (192 + 128) = 768
-// extra multiply-adds (1536 FLOPs) per (new token, prefix token) pair. Absorbed is cheaper while
-// the new tokens per request stay below about 262144 / 1536 = 170.
+// extra multiply-adds (1536 FLOPs) per (new token, key) pair it attends: every prefix token, and
+// the new tokens up to its own (extend_b * (extend_b + 1) / 2 causal pairs of a request). Absorbed
+// is cheaper while those pairs stay below about 262144 / 1536 = 170 a prefix token.
 enum class ExtendPrefixPath : uint8_t {
   kAuto,      // the rule below
   kChunked,   // always chunked (MHA) when there is a prefix
@@ -66,9 +67,11 @@ enum class ExtendPrefixPath : uint8_t {
 
 // The decision. With no prefix at all (every prefix length 0) the chunked path has no chunks and
 // is plain causal MHA over the new tokens, so kAuto and kChunked give false; kAbsorbed gives true.
-// kAuto: absorbed iff  sum_b extend_b * prefix_b <= absorbed_max_extend_len * sum_b prefix_b,
-// i.e. iff the prefix-weighted mean extend length is at most absorbed_max_extend_len
-// (0 = chunked whenever new tokens meet a prefix).
+// kAuto: absorbed iff
+//   sum_b extend_b * (prefix_b + (extend_b + 1) / 2) <= absorbed_max_extend_len * sum_b prefix_b,
+// i.e. iff the absorbed path's extra pairs a prefix token are at most absorbed_max_extend_len
+// (0 = chunked whenever new tokens meet a prefix). A long new prompt in the batch (its causal
+// pairs grow with the square of its length) therefore sends the batch down the chunked path.
 bool use_absorbed_extend(std::span<const int32_t> prefix_lens, std::span<const int32_t> extend_lens,
                          ExtendPrefixPath path, int64_t absorbed_max_extend_len);
 

@@ -56,16 +56,17 @@ bool use_absorbed_extend(std::span<const int32_t> prefix_lens, std::span<const i
   MLA_CHECK(absorbed_max_extend_len >= 0, op, ": absorbed_max_extend_len must be >= 0, got ",
             absorbed_max_extend_len);
   int64_t prefix_total = 0;
-  double weighted_extend = 0;  // sum_b extend_b * prefix_b (double: no overflow)
+  double pairs = 0;  // sum_b extend_b * (prefix_b + (extend_b + 1) / 2) (double: no overflow)
   for (size_t b = 0; b < prefix_lens.size(); ++b) {
     MLA_CHECK(prefix_lens[b] >= 0, op, ": prefix_lens[", b, "] must be >= 0, got ", prefix_lens[b]);
     MLA_CHECK(extend_lens[b] >= 0, op, ": extend_lens[", b, "] must be >= 0, got ", extend_lens[b]);
     prefix_total += prefix_lens[b];
-    weighted_extend += double(extend_lens[b]) * double(prefix_lens[b]);
+    const double extend = double(extend_lens[b]);
+    pairs += extend * double(prefix_lens[b]) + extend * (extend + 1) / 2;
   }
   if (path == ExtendPrefixPath::kAbsorbed) return true;
   if (prefix_total == 0 || path == ExtendPrefixPath::kChunked) return false;
-  return weighted_extend <= double(absorbed_max_extend_len) * double(prefix_total);
+  return pairs <= double(absorbed_max_extend_len) * double(prefix_total);
 }
 
 std::vector<PrefixChunk> split_prefix_into_chunks(std::span<const int32_t> prefix_lens,

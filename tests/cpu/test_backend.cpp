@@ -1229,13 +1229,13 @@ TEST(BackendExtend, AutomaticPathFollowsTheDocumentedRule) {
   UpProjection proj(1, rng);
   Pool pool(16, 64, 512, 4, DType::kFP16, 2);
   BackendConfig config = make_config(pool, 1);
-  config.absorbed_max_extend_len = 4;
+  config.absorbed_max_extend_len = 5;
   Backend backend(config);
-  // Prefix-weighted mean extend length (2*40 + 9*10) / 50 = 3.4 <= 4: absorbed.
+  // Pairs a prefix token (2*(40 + 1.5) + 9*(10 + 5)) / 50 = 4.36 <= 5: absorbed.
   ExtendProblem few = make_extend_problem(pool, proj, {0, 1}, {40, 10}, {2, 9}, rng);
   backend.init_forward_metadata(few.batch());
   EXPECT_TRUE(backend.plan().extend.use_absorbed);
-  // (5*40 + 9*10) / 50 = 5.8 > 4: chunked.
+  // (5*(40 + 3) + 9*(10 + 5)) / 50 = 7 > 5: chunked.
   ExtendProblem many = make_extend_problem(pool, proj, {2, 3}, {40, 10}, {5, 9}, rng);
   backend.init_forward_metadata(many.batch());
   EXPECT_FALSE(backend.plan().extend.use_absorbed);

@@ -218,11 +218,16 @@ TEST(Planner, AbsorbedOrChunkedDecision) {
                              {"extend_lens[0] must be >= 0"}));
   }
   EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{100}, std::vector<int32_t>{1}, P::kChunked, 128));
-  // The prefix-weighted mean: (1 * 10000 + 1000 * 10) / 10010 ~ 2.0 <= 128.
+  // Pairs a prefix token: (1 * (10000 + 1) + 1000 * (10 + 500.5)) / 10010 ~ 52 <= 128.
   EXPECT_TRUE(use_absorbed_extend(std::vector<int32_t>{10000, 10}, std::vector<int32_t>{1, 1000}, P::kAuto, 128));
-  // Boundary: mean exactly the threshold is absorbed.
-  EXPECT_TRUE(use_absorbed_extend(std::vector<int32_t>{10, 30}, std::vector<int32_t>{4, 4}, P::kAuto, 4));
-  EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{10, 30}, std::vector<int32_t>{4, 5}, P::kAuto, 4));
+  // The new tokens' own causal pairs count: a fresh 32k prompt beside a long prefix of one new
+  // token is (100001 + 32768 * 32769 / 2) / 100000 ~ 5370 pairs a prefix token: chunked.
+  EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{100000, 0}, std::vector<int32_t>{1, 32768}, P::kAuto, 128));
+  // Boundary: 4 * (10 + 2.5) = 50 = 5 * 10 is absorbed, 5 * (10 + 3) = 65 is not.
+  EXPECT_TRUE(use_absorbed_extend(std::vector<int32_t>{10}, std::vector<int32_t>{4}, P::kAuto, 5));
+  EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{10}, std::vector<int32_t>{5}, P::kAuto, 5));
+  EXPECT_TRUE(use_absorbed_extend(std::vector<int32_t>{10, 30}, std::vector<int32_t>{4, 4}, P::kAuto, 5));
+  EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{10, 30}, std::vector<int32_t>{4, 4}, P::kAuto, 4));
   // Threshold 0: chunked whenever new tokens meet a prefix.
   EXPECT_FALSE(use_absorbed_extend(std::vector<int32_t>{10}, std::vector<int32_t>{1}, P::kAuto, 0));
   EXPECT_TRUE(throws_error([] {
