@@ -104,6 +104,7 @@ template <typename... Parts>
 enum class Layout {
   kInnerContiguous,  // last dim has stride 1 (other strides free)
   kContiguous,       // row-major contiguous
+  kAny,              // any non-negative strides (the op indexes every dim by its stride)
 };
 
 struct Spec {
@@ -391,7 +392,7 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
   args.k_scale = float(k_scale);
   args.out = bind(out, {"out", "[T, H, 512]", {-1, -1, mla::kKvLoraRank}, kActDtypes,
                         Layout::kInnerContiguous, true});
-  args.lse = bind(lse, {"lse", "[T, H]", {-1, -1}, kFloat32, Layout::kInnerContiguous, true});
+  args.lse = bind(lse, {"lse", "[T, H]", {-1, -1}, kFloat32, Layout::kAny, true});
   const ByteBuffer ws = bind.bytes(workspace, {"workspace", "[bytes]", {-1}, {ScalarType::Byte},
                                                Layout::kContiguous, true});
   args.deterministic = deterministic;
@@ -475,7 +476,7 @@ void mha_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   args.v_scale = float(v_scale);
   args.out = bind(out, {"out", "[Tq, H, 128]", {-1, -1, 128}, kActDtypes,
                         Layout::kInnerContiguous, true});
-  args.lse = bind(lse, {"lse", "[Tq, H]", {-1, -1}, kFloat32, Layout::kInnerContiguous, true});
+  args.lse = bind(lse, {"lse", "[Tq, H]", {-1, -1}, kFloat32, Layout::kAny, true});
   run(bind, [&](mla::Stream s) { mla::mha_prefill(args, s); });
 }
 
@@ -484,19 +485,18 @@ void merge_states(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Te
   Binder bind("merge_states");
   mla::MergeStatesArgs args;
   args.out_a = bind(out_a, {"out_a", "[T, H, Dv]", {-1, -1, -1}, kActDtypes});
-  args.lse_a = bind(lse_a, {"lse_a", "[T, H]", {-1, -1}, kFloat32});
+  args.lse_a = bind(lse_a, {"lse_a", "[T, H]", {-1, -1}, kFloat32, Layout::kAny});
   args.out_b = bind(out_b, {"out_b", "[T, H, Dv]", {-1, -1, -1}, kActDtypes});
-  args.lse_b = bind(lse_b, {"lse_b", "[T, H]", {-1, -1}, kFloat32});
+  args.lse_b = bind(lse_b, {"lse_b", "[T, H]", {-1, -1}, kFloat32, Layout::kAny});
   args.out = bind(out, {"out", "[T, H, Dv]", {-1, -1, -1}, kActDtypes,
                         Layout::kInnerContiguous, true});
-  args.lse_out = bind(lse_out, {"lse_out", "[T, H]", {-1, -1}, kFloat32,
-                                Layout::kInnerContiguous, true});
+  args.lse_out = bind(lse_out, {"lse_out", "[T, H]", {-1, -1}, kFloat32, Layout::kAny, true});
   run(bind, [&](mla::Stream s) { mla::merge_states(args, s); });
 }
 
 void cumulative_lengths(const at::Tensor& lens, const at::Tensor& cu) {
   Binder bind("cumulative_lengths");
-  const mla::TensorView lens_view = bind(lens, {"lens", "[B]", {-1}, kIndexDtypes});
+  const mla::TensorView lens_view = bind(lens, {"lens", "[B]", {-1}, kIndexDtypes, Layout::kAny});
   const mla::TensorView cu_view = bind(cu, {"cu", "[B + 1]", {-1}, kInt32, Layout::kContiguous, true});
   run(bind, [&](mla::Stream s) { mla::cumulative_lengths(lens_view, cu_view, s); });
 }

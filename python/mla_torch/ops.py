@@ -35,6 +35,19 @@ def append_latent_kv(k_nope: Tensor, k_pe: Tensor, loc: Tensor, kv_cache: Tensor
     torch.ops.mla.append_latent_kv(k_nope, k_pe, loc, kv_cache, float(k_scale))
 
 
+def _require_dims(op: str, name: str, t: Tensor, dims: int) -> None:
+    """A tensor the wrapper sizes an output from: its rank first (the op's own check would come
+    only after that output was allocated from the wrong dims)."""
+    if t.dim() != dims:
+        raise ValueError(f"{op}: {name} must have {dims} dims, got shape {list(t.shape)}")
+
+
+def _output_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """The default output of an op whose outputs are 16-bit or fp8: the input's dtype, bf16 for
+    fp32 inputs."""
+    return torch.bfloat16 if input_dtype == torch.float32 else input_dtype
+
+
 def build_block_table(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor,
                       page_size: int, block_table: Optional[Tensor] = None,
                       max_blocks: Optional[int] = None) -> Tensor:
@@ -42,6 +55,9 @@ def build_block_table(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: 
     -1 after. Allocates [B, max_blocks] (default: the full width of req_to_token) if not given."""
     if block_table is None:
         if max_blocks is None:
+            if page_size < 1:  # the op names it; the default width needs it first
+                raise ValueError(f"build_block_table: page_size must be a power of two in 1..128, "
+                                 f"got {page_size}")
             max_blocks = -(-req_to_token.shape[1] // page_size)
         block_table = torch.empty((req_pool_indices.shape[0], max_blocks), dtype=torch.int32,
                                   device=req_to_token.device)
@@ -60,12 +76,14 @@ def rope_quantize(q_nope: Tensor, q_pe: Tensor, cos_sin_cache: Tensor, positions
     """Rotary embedding of q_pe (and k_pe), q_out = q_nope | rope(q_pe) (576 wide), optional fp8
     outputs (stored = saturate(x / scale)). Returns (q_out, k_nope_out, k_pe_out); the k outputs
     are None without k_nope."""
+    _require_dims("rope_quantize", "q_nope", q_nope, 3)
     num_tokens, num_heads = q_nope.shape[0], q_nope.shape[1]
     if q_out is None:
         q_out = torch.empty((num_tokens, num_heads, LATENT_DIM),
-                            dtype=q_out_dtype or q_nope.dtype, device=q_nope.device)
+                            dtype=q_out_dtype or _output_dtype(q_nope.dtype), device=q_nope.device)
     if k_nope is not None:
-        k_dtype = k_out_dtype or k_nope.dtype
+        given = k_nope_out if k_nope_out is not None else k_pe_out  # both k outputs share a dtype
+        k_dtype = k_out_dtype or (given.dtype if given is not None else _output_dtype(k_nope.dtype))
         if k_nope_out is None:
             k_nope_out = torch.empty((num_tokens, KV_LORA_RANK), dtype=k_dtype, device=k_nope.device)
         if k_pe_out is None:
@@ -102,6 +120,7 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
     ref = q if q is not None else q_nope
     if ref is None:
         raise ValueError("mla_decode: give q or q_nope and q_pe")
+    _require_dims("mla_decode", "q" if q is not None else "q_nope", ref, 3)
     num_tokens, num_heads = ref.shape[0], ref.shape[1]
     if out is None:
         dtype = out_dtype or (torch.bfloat16 if ref.dtype == torch.float8_e4m3fn else ref.dtype)
@@ -119,7 +138,7 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
 def cumulative_lengths(lens: Tensor, cu: Optional[Tensor] = None) -> Tensor:
     """cu[0] = 0, cu[b + 1] = cu[b] + lens[b] (int32), on the tensors' device: on CUDA one small
     kernel with no host copy and no allocation (for CUDA-graph buffers updated before a replay).
-    lens [B] int32/int64 with stride 1; cu [B + 1] int32 must not overlap lens. Returns cu."""
+    lens [B] int32/int64 (any stride); cu [B + 1] int32 must not overlap lens. Returns cu."""
     if cu is None:
         cu = torch.empty(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
     torch.ops.mla.cumulative_lengths(lens, cu)
@@ -185,6 +204,7 @@ def mha_prefill(q: Tensor, k: Tensor, v: Tensor, cu_q_lens: Tensor, cu_kv_lens: 
                 return_lse: bool = False):
     """Ragged non-absorbed attention (192-wide q/k, 128-wide v), causal bottom-right aligned.
     Returns out [Tq, H, 128], or (out, lse) when return_lse or lse is given."""
+    _require_dims("mha_prefill", "q", q, 3)
     if out is None:
         dtype = out_dtype or (torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
         out = torch.empty((q.shape[0], q.shape[1], V_HEAD_DIM), dtype=dtype, device=q.device)

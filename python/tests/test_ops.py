@@ -132,6 +132,45 @@ def test_rope_quantize(device, gen, is_neox, in_dtype, q_dtype, k_dtype, q_scale
     check(k_pe_out, k_pe_ref, k_dtype, k_scale, "k_pe_out")
 
 
+def test_rope_quantize_default_output_dtypes(device, gen):
+    """fp32 inputs default to bf16 outputs (outputs are 16-bit or fp8); one k output given sets
+    the other's dtype (the two share one)."""
+    num_tokens, num_heads, max_pos = 3, 2, 64
+    q_nope = torch.randn(num_tokens, num_heads, NOPE, generator=gen).to(device)
+    q_pe = torch.randn(num_tokens, num_heads, ROPE, generator=gen).to(device)
+    k_nope = torch.randn(num_tokens, NOPE, generator=gen).to(device)
+    k_pe = torch.randn(num_tokens, ROPE, generator=gen).to(device)
+    positions = torch.arange(num_tokens, device=device)
+    cos_sin = make_cos_sin_cache(max_pos).to(device)
+    q_out, k_nope_out, k_pe_out = ops.rope_quantize(q_nope, q_pe, cos_sin, positions,
+                                                    k_nope=k_nope, k_pe=k_pe)
+    assert q_out.dtype == k_nope_out.dtype == k_pe_out.dtype == torch.bfloat16
+    given = torch.empty(num_tokens, NOPE, dtype=FP8, device=device)
+    _, k_nope_out, k_pe_out = ops.rope_quantize(q_nope.bfloat16(), q_pe.bfloat16(), cos_sin,
+                                                positions, k_nope=k_nope.bfloat16(),
+                                                k_pe=k_pe.bfloat16(), k_nope_out=given)
+    assert k_nope_out is given and k_pe_out.dtype == FP8
+
+
+def test_wrappers_check_what_they_size_outputs_from(device):
+    """The wrappers size outputs from their inputs' dims: a wrong rank or page size is a clear
+    error, not an output of the wrong shape or an allocation of another size."""
+    with pytest.raises(ValueError, match=r"mla_decode: q must have 3 dims, got shape \[4, 576\]"):
+        ops.mla_decode(torch.empty(1, 64, LATENT, device=device),
+                       torch.zeros(4, 1, dtype=torch.int32, device=device),
+                       torch.ones(4, dtype=torch.int32, device=device), 0.1,
+                       q=torch.empty(4, LATENT, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="mha_prefill: q must have 3 dims"):
+        ops.mha_prefill(torch.empty(4, 192, device=device), torch.empty(4, 1, 192, device=device),
+                        torch.empty(4, 1, 128, device=device),
+                        torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
+                        0.1)
+    with pytest.raises(ValueError, match="build_block_table: page_size must be a power of two"):
+        ops.build_block_table(torch.zeros(2, 8, dtype=torch.int32, device=device),
+                              torch.zeros(1, dtype=torch.int32, device=device),
+                              torch.ones(1, dtype=torch.int32, device=device), 0)
+
+
 # ---- mla_decode ---------------------------------------------------------------------------------
 
 DECODE_CASES = [
@@ -271,6 +310,9 @@ def test_cumulative_lengths(device):
     assert ops.cumulative_lengths(lens[:0]).tolist() == [0]
     with pytest.raises(RuntimeError, match="overlaps"):
         ops.cumulative_lengths(cu[1:], cu)
+    # Any stride: every other entry of a longer buffer, as the op documents.
+    strided = torch.tensor([3, 9, 0, 9, 7, 9, 1], dtype=torch.int32, device=device)[::2]
+    assert ops.cumulative_lengths(strided).tolist() == [0, 3, 3, 10, 11]
     if device.type == "cpu":  # the GPU does not read the values back
         with pytest.raises(RuntimeError, match=r"lens\[1\]"):
             ops.cumulative_lengths(torch.tensor([2, -4], dtype=torch.int32))
@@ -332,3 +374,15 @@ def test_merge_states(device, gen, dtype, in_place):
     assert_close(out, out_ref, *TOL[dtype], "out")
     assert_close(lse, lse_ref, 1e-5, 1e-5, "lse")
     assert not torch.isnan(out.float()).any()
+
+
+def test_merge_states_head_major_lse(device, gen):
+    """LSEs laid out [H, T] and passed transposed (as attention kernels return them): any strides,
+    the same result as contiguous ones."""
+    tokens, heads, dim = 5, 4, 64
+    out_a, out_b = (torch.randn(tokens, heads, dim, generator=gen).to(device) for _ in range(2))
+    lse_a, lse_b = (torch.randn(heads, tokens, generator=gen).to(device) * 3 for _ in range(2))
+    out, lse = ops.merge_states(out_a, lse_a.t(), out_b, lse_b.t())
+    ref_out, ref_lse = ops.merge_states(out_a, lse_a.t().contiguous(), out_b,
+                                        lse_b.t().contiguous())
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
