@@ -136,11 +136,13 @@ struct MlaDecodeArgs {
   TensorView block_table;  // [B, max_blocks] int32, page ids in [0, P) for the pages in use
   TensorView kv_lens;      // [B] int32, each in [0, max_blocks * S]
   // [B + 1] int32, cu_q_lens[0] == 0, non-decreasing, cu_q_lens[B] == T; optional. On the GPU
-  // (where it is not checked) cu_q_lens[B] < T leaves the rows past cu_q_lens[B] untouched: a
-  // CUDA-graph DRAFT_EXTEND captured at its largest query count relies on that.
+  // (where it is checked only with check_metadata, by this rule) cu_q_lens[B] < T leaves the
+  // rows past cu_q_lens[B] untouched: a CUDA-graph DRAFT_EXTEND captured at its largest query
+  // count relies on that.
   TensorView cu_q_lens;
   int q_len = 1;           // queries per request when cu_q_lens is empty (T == B * q_len)
-  int max_q_len = 0;       // upper bound on q_len_b (GPU launch shape); 0 = derive (CPU only)
+  int max_q_len = 0;       // upper bound on q_len_b (GPU launch shape); 0 = derive (CPU, or
+                           // an empty batch on the GPU)
   float softmax_scale = 0; // required, > 0
   float q_scale = 1.0f;
   float k_scale = 1.0f;
@@ -152,7 +154,8 @@ struct MlaDecodeArgs {
   DecodeKernel kernel = DecodeKernel::kAuto;  // GPU only
   // GPU only, a debug mode: before launching, copy cu_q_lens, kv_lens and block_table to the
   // host and check them as the CPU path always does (kv_lens within the block table, q_len_b
-  // <= max_q_len, page ids of the keys in use in [0, P)), throwing mla::Error that names the
+  // <= max_q_len, page ids of the keys in use in [0, P); cu_q_lens[B] <= T, the GPU's rule
+  // above, where the CPU needs == T), throwing mla::Error that names the
   // first bad value. Without it a bad value is not reported: the kernels clamp lengths and read
   // a key on a page id outside [0, P) as zeros, never out of bounds. It synchronises the stream,
   // so it is refused while the stream is being captured into a CUDA graph.

@@ -68,10 +68,12 @@ enum class ExtendPrefixPath : uint8_t {
 // The decision. With no prefix at all (every prefix length 0) the chunked path has no chunks and
 // is plain causal MHA over the new tokens, so kAuto and kChunked give false; kAbsorbed gives true.
 // kAuto: absorbed iff
-//   sum_b extend_b * (prefix_b + (extend_b + 1) / 2) <= absorbed_max_extend_len * sum_b prefix_b,
+//   sum_b (extend_b * prefix_b + extend_b * (extend_b + 1) / 2)
+//       <= absorbed_max_extend_len * sum_b prefix_b        (real division: the pairs' count)
 // i.e. iff the absorbed path's extra pairs a prefix token are at most absorbed_max_extend_len
-// (0 = chunked whenever new tokens meet a prefix). A long new prompt in the batch (its causal
-// pairs grow with the square of its length) therefore sends the batch down the chunked path.
+// (0 = chunked whenever the batch has both a prefix and new tokens). A long new prompt in the
+// batch (its causal pairs grow with the square of its length) therefore sends the batch down
+// the chunked path.
 bool use_absorbed_extend(std::span<const int32_t> prefix_lens, std::span<const int32_t> extend_lens,
                          ExtendPrefixPath path, int64_t absorbed_max_extend_len);
 

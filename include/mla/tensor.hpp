@@ -72,8 +72,9 @@ void contiguous(const char* op, const char* arg, const TensorView& t);
 // or rows laid over each other, would let one element's result overwrite another's).
 void non_overlapping(const char* op, const char* arg, const TensorView& t);
 // An output and an input (or two outputs) of the same call share no byte: their spans (from the
-// lowest to the highest element) are apart, or their rows lie side by side in one buffer (the
-// same row pitch, each in its own columns: k_nope_out and k_pe_out over a latent cache row).
+// lowest to the highest element) are apart, or their rows lie side by side in one buffer (every
+// outer stride a multiple of the smallest one, the pitch, and each view in its own columns of
+// it: k_nope_out and k_pe_out over a latent cache row).
 // Otherwise one element's result could overwrite an input another element still reads.
 void disjoint(const char* op, const char* out_arg, const TensorView& out, const char* in_arg,
               const TensorView& in);

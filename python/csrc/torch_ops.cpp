@@ -426,7 +426,7 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
       schedule = cached_schedule(ws, to_int(op, "workspace_max_batch", workspace_max_batch),
                                  to_int(op, "workspace_max_q_len", workspace_max_q_len),
                                  int(ref.shape[1]), ws_max_kv_len, split_keys);
-      if (args.kv_lens.shape[0] > 0)
+      if (args.kv_lens.shape[0] > 0 && ref.shape[0] > 0)  // as mla_decode, nothing to plan otherwise
         mla::plan_decode(schedule, args.kv_lens, args.cu_q_lens, std::max(args.q_len, 1),
                          args.cu_q_lens.empty() ? std::max(args.q_len, 1) : args.max_q_len, s);
       args.schedule = &schedule;

@@ -518,11 +518,16 @@ const Plan& Backend::Impl::plan_for(const char* op, const ForwardBatch& batch, S
               " requests (init_forward_metadata_capture/replay_cuda_graph); capture and replay "
               "with the padded batch size, or plan this batch with init_forward_metadata");
     // Data-parallel padding grew the batch after it was planned: re-plan rather than read past
-    // the end of the plan. The padding grows batch_size and the device tensors; host lists it
-    // left short are optional in the decode family and are not used then.
+    // the end of the plan. The padding grows batch_size and the device tensors; in the decode
+    // family a host list it left short is not used then (seq_lens_cpu only narrows the block
+    // table; DRAFT_EXTEND's queries come from extend_seq_lens when the device has them). EXTEND
+    // is planned from its host lists: a short one is an error naming it.
     ForwardBatch grown = batch;
-    for (std::span<const int32_t>* host : {&grown.seq_lens_cpu, &grown.extend_seq_lens_cpu})
-      if (int64_t(host->size()) < grown.batch_size) *host = {};
+    if (is_decode_family(batch.mode)) {
+      if (int64_t(grown.seq_lens_cpu.size()) < grown.batch_size) grown.seq_lens_cpu = {};
+      if (int64_t(grown.extend_seq_lens_cpu.size()) < grown.batch_size && !grown.extend_seq_lens.empty())
+        grown.extend_seq_lens_cpu = {};
+    }
     if (replan_all_steps)
       replan_all_steps(grown, stream);
     else

@@ -56,7 +56,7 @@ bool use_absorbed_extend(std::span<const int32_t> prefix_lens, std::span<const i
   MLA_CHECK(absorbed_max_extend_len >= 0, op, ": absorbed_max_extend_len must be >= 0, got ",
             absorbed_max_extend_len);
   int64_t prefix_total = 0;
-  double pairs = 0;  // sum_b extend_b * (prefix_b + (extend_b + 1) / 2) (double: no overflow)
+  double pairs = 0;  // sum_b extend_b * prefix_b + extend_b * (extend_b + 1) / 2 (real, no overflow)
   for (size_t b = 0; b < prefix_lens.size(); ++b) {
     MLA_CHECK(prefix_lens[b] >= 0, op, ": prefix_lens[", b, "] must be >= 0, got ", prefix_lens[b]);
     MLA_CHECK(extend_lens[b] >= 0, op, ": extend_lens[", b, "] must be >= 0, got ", extend_lens[b]);

@@ -1318,6 +1318,22 @@ TEST(BackendReplan, HostListsLeftShortByThePaddingAreNotUsed) {
     EXPECT_TRUE(throws_error([&] { backend.init_forward_metadata(shortened(3)); },
                              {"_lens_cpu must have batch_size = 3 entries, got 2"}));
   }
+  // EXTEND is planned from its host lists: a short one is named, not dropped.
+  std::mt19937_64 rng2(63);
+  UpProjection proj(heads, rng2);
+  Pool pool(16, 64, 256, 4, DType::kFP16, 8);
+  ExtendProblem e = make_extend_problem(pool, proj, {0, 1, 2}, {5, 3, 2}, {2, 3, 1}, rng2);
+  Backend backend(make_config(pool, heads));
+  ForwardBatch planned = e.batch();
+  planned.batch_size = 2;
+  for (auto* host :
+       {&planned.seq_lens_cpu, &planned.extend_seq_lens_cpu, &planned.extend_prefix_lens_cpu})
+    *host = host->first(2);
+  backend.init_forward_metadata(planned);
+  ForwardBatch grown = e.batch();
+  grown.extend_seq_lens_cpu = grown.extend_seq_lens_cpu.first(2);
+  EXPECT_TRUE(throws_error([&] { backend.forward_extend(grown, make_layer(pool), e.mha_args()); },
+                           {"batch.extend_seq_lens_cpu must have batch_size = 3 entries, got 2"}));
 }
 
 // A graph state that cannot be allocated leaves the previous one in use: the draft backend's

@@ -763,8 +763,16 @@ TEST_F(MlaDecodeErrors, ScalesAndOutputs) {
   a = args();
   a.lse = TensorView::contiguous(a.out.data, DType::kFP32, {4, 4});
   EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"lse", "overlaps out"}));
+  // A block table wide enough to hold an LSE: the original rows, then page 0.
   a = args();
-  a.lse = TensorView::contiguous(a.block_table.data, DType::kFP32, {4, 4});
+  HostTensor wide_table(DType::kInt32, {a.block_table.shape[0], 16});
+  const int32_t* rows = a.block_table.ptr<int32_t>();
+  for (int64_t b = 0; b < a.block_table.shape[0]; ++b)
+    for (int64_t j = 0; j < 16; ++j)
+      wide_table.i32(b * 16 + j) = j < a.block_table.shape[1] ? rows[b * a.block_table.stride[0] + j] : 0;
+  a.block_table = wide_table.view();
+  ASSERT_NO_THROW(mla_decode(a));
+  a.lse = TensorView::contiguous(wide_table.data(), DType::kFP32, {4, 4});
   EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"lse", "overlaps block_table"}));
   // A split query: the messages name q_nope.
   a = args();
@@ -774,7 +782,7 @@ TEST_F(MlaDecodeErrors, ScalesAndOutputs) {
   a.q_pe.data = static_cast<char*>(a.q.data) + kKvLoraRank * dtype_size(a.q.dtype);
   a.q_pe.shape[2] = kRopeDim;
   a.q = TensorView();
-  ASSERT_NO_THROW(mla_decode(a));  // q_nope and q_pe side by side in q's rows
+  ASSERT_NO_THROW(mla_decode(a));  // q_nope and q_pe as views of q's rows
   a.out.shape[0] = 3;
   EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"out.shape[0] must be 4 (tokens, as q_nope)"}));
 }

@@ -1363,7 +1363,13 @@ int plan_then_decode(int heads, QueryShape plan, QueryShape run) {
   a.softmax_scale = 0.0721687836f;
   a.out = TensorView::contiguous(out.ptr, DType::kBF16, {tokens, heads, kVDim}, dev);
   a.schedule = &sched.schedule;
-  mla_decode(a);
+  try {
+    mla_decode(a);
+  } catch (const std::exception&) {
+    // The decode kernel's trap can reach the host before the combine kernel's launch, which then
+    // reports it; a host-side refusal (no kernel failed) is another exit code.
+    return cudaDeviceSynchronize() != cudaSuccess ? 3 : 5;
+  }
   return cudaDeviceSynchronize() == cudaSuccess ? 0 : 3;
 }
 
