@@ -229,7 +229,8 @@ class Backend {
   //  (a) causal attention of the new tokens over themselves (q, k, v: [Tq, ...]; lse optional);
   void forward_extend(const ForwardBatch& batch, const LayerParams& layer,
                       const MhaAttentionArgs& args, Stream stream = nullptr);
-  //  (b) the latent entries of prefix chunk `chunk_idx`: latent_out [N, 576] in the cache dtype;
+  //  (b) the latent entries of prefix chunk `chunk_idx`: latent_out [N, 576] in the cache dtype,
+  //      not inside the cache;
   int num_prefix_chunks() const;
   void gather_prefix_chunk(int chunk_idx, const LayerParams& layer, const TensorView& latent_out,
                            Stream stream = nullptr);

@@ -44,7 +44,7 @@ struct AppendLatentKvArgs {
   TensorView k_nope;    // [T, 512] bf16/fp16/fp32, inner stride 1
   TensorView k_pe;      // [T, 64]  same dtype as k_nope, inner stride 1
   TensorView loc;       // [T] int32 or int64: token slots in the pool (< P * S), -1 = skip
-  TensorView kv_cache;  // [P, S, 576] bf16/fp16/fp8e4m3, contiguous
+  TensorView kv_cache;  // [P, S, 576] bf16/fp16/fp8e4m3, contiguous; overlaps no input
   float k_scale = 1.0f; // fp8 only: dequantised = stored * k_scale (> 0)
 };
 void append_latent_kv(const AppendLatentKvArgs& args, Stream stream = nullptr);
@@ -61,7 +61,8 @@ struct BuildBlockTableArgs {
   TensorView req_pool_indices;  // [B] int32 or int64, each in [0, R)
   TensorView seq_lens;          // [B] int32 or int64, each >= 0
   int page_size = 64;           // S
-  TensorView block_table;       // [B, max_blocks] int32, output (no two entries at one address)
+  TensorView block_table;       // [B, max_blocks] int32, output (no two entries at one address,
+                                // none over an input)
 };
 void build_block_table(const BuildBlockTableArgs& args, Stream stream = nullptr);
 

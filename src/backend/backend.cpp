@@ -958,6 +958,7 @@ void Backend::gather_prefix_chunk(int chunk_idx, const LayerParams& layer,
   check::dtype(op, "latent_out", latent_out, s.config.kv_cache_dtype);
   check::inner_contiguous(op, "latent_out", latent_out);
   check::same_device(op, "latent_out", latent_out, s.config.device);
+  check::disjoint(op, "latent_out", latent_out, "layer.kv_cache", layer.kv_cache);
   const TensorView& kv = layer.kv_cache;
   const TensorView entries = TensorView::contiguous(
       kv.data, kv.dtype, {kv.shape[0] * kv.shape[1], kLatentDim}, kv.device);

@@ -290,6 +290,10 @@ TEST(AppendLatentKv, BadArgumentsNameTheArgument) {
   }, {"k_nope", "stride"});
   expect_error([](Fixture& f) { f.args.k_nope.data = nullptr; }, {"k_nope", "null"});
   expect_error([](Fixture& f) { f.args.k_nope.shape[0] = -1; }, {"k_nope.shape[0]", ">= 0"});
+  // Inputs inside the cache (entries moved within it): the result would depend on write order.
+  expect_error([](Fixture& f) {
+    f.args.k_nope = TensorView::strided(f.cache.data(), DType::kBF16, {3, kNope}, {kEntry, 1});
+  }, {"append_latent_kv: kv_cache", "overlaps k_nope"});
   // k_pe
   expect_error([](Fixture& f) { f.args.k_pe = {}; }, {"k_pe", "required"});
   expect_error([](Fixture& f) { f.args.k_pe.shape[0] = 2; }, {"k_pe.shape[0]", "3"});

@@ -1589,6 +1589,9 @@ TEST(BackendErrors, BadBatchesAndForwardsNameTheArgument) {
   EXPECT_TRUE(throws_error([&] { extender.gather_prefix_chunk(0, layer, latent.view()); }, {"latent_out", "4"}));
   HostTensor latent_bf16(DType::kBF16, {4, kLatentDim});
   EXPECT_TRUE(throws_error([&] { extender.gather_prefix_chunk(0, layer, latent_bf16.view()); }, {"latent_out", "fp16"}));
+  const TensorView in_cache = TensorView::contiguous(layer.kv_cache.data, DType::kFP16, {4, kLatentDim});
+  EXPECT_TRUE(throws_error([&] { extender.gather_prefix_chunk(0, layer, in_cache); },
+                           {"gather_prefix_chunk: latent_out", "overlaps layer.kv_cache"}));
   MhaAttentionArgs mha = e.mha_args();
   EXPECT_TRUE(throws_error([&] { extender.forward_prefix_chunk(e.batch(), 0, layer, mha); }, {"args.k", "keys"}));
   mha.q = e.k.view();  // right shape

@@ -266,6 +266,10 @@ TEST(BuildBlockTable, BadArgumentsNameTheArgument) {
   expect_error([&](Fixture& f) {
     f.args.block_table = TensorView::strided(wide.data(), DType::kInt32, {2, 2}, {0, 1});
   }, {"block_table", "overlap"});
+  // The table written over an input it reads (its lengths in its own second row).
+  expect_error([](Fixture& f) {
+    f.args.seq_lens = TensorView::contiguous(f.block_table.data(), DType::kInt32, {2});
+  }, {"build_block_table: block_table", "overlaps seq_lens"});
   expect_error([](Fixture& f) { f.args.block_table.device = mla::Device::cuda(0); },
                {"block_table", "cuda:0", "req_to_token", "cpu"});
   expect_error([](Fixture& f) { f.args.seq_lens.device = mla::Device::cuda(0); }, {"seq_lens", "cuda:0"});

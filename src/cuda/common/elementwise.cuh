@@ -59,14 +59,17 @@ inline constexpr bool kIsFp8 = std::is_same_v<T, fp8_e4m3>;
 // ---- chunk loads / stores --------------------------------------------------------------------
 // N consecutive elements starting at p. With `vectorised`, p must be 16-byte aligned and
 // N * sizeof(T) a multiple of 16: the chunk moves as N * sizeof(T) / 16 16-byte transactions.
-template <typename T, int N>
+// kReadOnly: through the read-only data cache (ld.global.nc), for memory no thread of the kernel
+// writes; false for a kernel that may write what it reads (merge_states in place).
+template <typename T, int N, bool kReadOnly = true>
 __device__ __forceinline__ void load_chunk(const T* p, bool vectorised, float (&out)[N]) {
   if constexpr ((N * sizeof(T)) % 16 == 0) {
     if (vectorised) {
       constexpr int kPerVec = 16 / sizeof(T);
 #pragma unroll
       for (int v = 0; v < N / kPerVec; ++v) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + v);
+        const uint4* src = reinterpret_cast<const uint4*>(p) + v;
+        const uint4 raw = kReadOnly ? __ldg(src) : *src;
         T elems[kPerVec];
         memcpy(elems, &raw, sizeof(raw));  // type pun without aliasing UB; compiles to moves
 #pragma unroll

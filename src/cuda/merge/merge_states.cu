@@ -48,24 +48,25 @@ struct MergeParams {
 
 constexpr int kChunk = 8;
 
+// Plain loads, not the read-only path: out may be out_a or out_b (in place).
 __device__ __forceinline__ void load_values(const void* base, DType dtype, int64_t offset,
                                             int count, bool vectorised, float (&v)[kChunk]) {
   switch (dtype) {
     case DType::kBF16: {
       const auto* p = static_cast<const __nv_bfloat16*>(base) + offset;
-      if (count == kChunk) load_chunk<__nv_bfloat16, kChunk>(p, vectorised, v);
+      if (count == kChunk) load_chunk<__nv_bfloat16, kChunk, false>(p, vectorised, v);
       else for (int k = 0; k < count; ++k) v[k] = to_float(p[k]);
       return;
     }
     case DType::kFP16: {
       const auto* p = static_cast<const __half*>(base) + offset;
-      if (count == kChunk) load_chunk<__half, kChunk>(p, vectorised, v);
+      if (count == kChunk) load_chunk<__half, kChunk, false>(p, vectorised, v);
       else for (int k = 0; k < count; ++k) v[k] = to_float(p[k]);
       return;
     }
     default: {
       const auto* p = static_cast<const float*>(base) + offset;
-      if (count == kChunk) load_chunk<float, kChunk>(p, vectorised, v);
+      if (count == kChunk) load_chunk<float, kChunk, false>(p, vectorised, v);
       else for (int k = 0; k < count; ++k) v[k] = p[k];
       return;
     }
