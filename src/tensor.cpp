@@ -212,6 +212,10 @@ void disjoint(const char* op, const char* out_arg, const TensorView& out, const 
             " (", in.describe(), "); give ", out_arg, " its own memory");
 }
 
+void disjoint(const char* op, const char* out_arg, const TensorView& out, NamedViews inputs) {
+  for (const auto& [in_arg, in] : inputs) disjoint(op, out_arg, out, in_arg, *in);
+}
+
 void same_or_disjoint(const char* op, const char* out_arg, const TensorView& out,
                       const char* in_arg, const TensorView& in) {
   bool same = out.data == in.data && out.dtype == in.dtype && out.ndim == in.ndim;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "mla/dtype.hpp"
 
@@ -78,6 +79,9 @@ void non_overlapping(const char* op, const char* arg, const TensorView& t);
 // Otherwise one element's result could overwrite an input another element still reads.
 void disjoint(const char* op, const char* out_arg, const TensorView& out, const char* in_arg,
               const TensorView& in);
+// The same against each of `inputs` (name, view), in order; a view not given holds no byte.
+using NamedViews = std::initializer_list<std::pair<const char*, const TensorView*>>;
+void disjoint(const char* op, const char* out_arg, const TensorView& out, NamedViews inputs);
 // An output that may be computed in place over an input: the very same view (data, dtype, shape,
 // strides), or disjoint from it.
 void same_or_disjoint(const char* op, const char* out_arg, const TensorView& out,

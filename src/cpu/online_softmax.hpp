@@ -21,7 +21,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <string>
 #include <vector>
 
 #include "cpu/parallel.hpp"
@@ -76,7 +75,7 @@ inline int64_t causal_keys_seen(int64_t q_len, int64_t kv_len, int64_t row) {
 // cu[0] == 0 and cu[batch] == total ("... must equal the <total> <total_what>"), or with
 // at_most, cu[batch] <= total (rows past cu[batch] not covered: the GPU decode's padded batches).
 inline void check_cu_lens_ends(const char* op, const char* name, const int32_t* cu, int64_t batch,
-                               int64_t total, const std::string& total_what, bool at_most = false) {
+                               int64_t total, const char* total_what, bool at_most = false) {
   MLA_CHECK(cu[0] == 0, op, ": ", name, "[0] must be 0, got ", cu[0]);
   MLA_CHECK(at_most ? cu[batch] <= total : cu[batch] == total, op, ": ", name, "[", batch, "] must ",
             at_most ? "be at most" : "equal", " the ", total, " ", total_what, ", got ", cu[batch]);

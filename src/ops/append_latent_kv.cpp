@@ -1,6 +1,4 @@
 // append_latent_kv: public entry — validation, then device dispatch.
-#include <utility>
-
 #include "cpu/cpu_ops.hpp"
 #include "mla/error.hpp"
 #include "ops/dispatch.hpp"
@@ -44,9 +42,8 @@ void append_latent_kv(const AppendLatentKvArgs& args, Stream stream) {
   detail::check_scale(op, "k_scale", args.k_scale);
   // The cache is written while the inputs are read (cache entries moved within the cache would
   // depend on the order of the writes).
-  for (const auto& [name, t] :
-       {std::pair{"k_nope", &args.k_nope}, {"k_pe", &args.k_pe}, {"loc", &args.loc}})
-    check::disjoint(op, "kv_cache", args.kv_cache, name, *t);
+  check::disjoint(op, "kv_cache", args.kv_cache,
+                  {{"k_nope", &args.k_nope}, {"k_pe", &args.k_pe}, {"loc", &args.loc}});
 
   const Device device = detail::common_device(
       op, {{"k_nope", &args.k_nope}, {"k_pe", &args.k_pe}, {"loc", &args.loc},

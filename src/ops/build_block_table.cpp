@@ -1,6 +1,4 @@
 // build_block_table: public entry — validation, then device dispatch.
-#include <utility>
-
 #include "cpu/cpu_ops.hpp"
 #include "mla/error.hpp"
 #include "ops/dispatch.hpp"
@@ -37,10 +35,9 @@ void build_block_table(const BuildBlockTableArgs& args, Stream stream) {
   check::dtype(op, "block_table", args.block_table, DType::kInt32);
   check::inner_contiguous(op, "block_table", args.block_table);
   check::non_overlapping(op, "block_table", args.block_table);
-  for (const auto& [name, t] :
-       {std::pair{"req_to_token", &args.req_to_token}, {"req_pool_indices", &args.req_pool_indices},
-        {"seq_lens", &args.seq_lens}})
-    check::disjoint(op, "block_table", args.block_table, name, *t);
+  check::disjoint(op, "block_table", args.block_table,
+                  {{"req_to_token", &args.req_to_token}, {"req_pool_indices", &args.req_pool_indices},
+                   {"seq_lens", &args.seq_lens}});
 
   const Device device = detail::common_device(
       op, {{"req_to_token", &args.req_to_token}, {"req_pool_indices", &args.req_pool_indices},

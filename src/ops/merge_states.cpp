@@ -36,14 +36,12 @@ void merge_states(const MergeStatesArgs& args, Stream stream) {
   // any other overlap of an output with an input, or of the outputs, is not.
   check::same_or_disjoint(op, "out", args.out, "out_a", args.out_a);
   check::same_or_disjoint(op, "out", args.out, "out_b", args.out_b);
-  check::disjoint(op, "out", args.out, "lse_a", args.lse_a);
-  check::disjoint(op, "out", args.out, "lse_b", args.lse_b);
+  check::disjoint(op, "out", args.out, {{"lse_a", &args.lse_a}, {"lse_b", &args.lse_b}});
   if (!args.lse_out.empty()) {
     check::same_or_disjoint(op, "lse_out", args.lse_out, "lse_a", args.lse_a);
     check::same_or_disjoint(op, "lse_out", args.lse_out, "lse_b", args.lse_b);
-    check::disjoint(op, "lse_out", args.lse_out, "out_a", args.out_a);
-    check::disjoint(op, "lse_out", args.lse_out, "out_b", args.out_b);
-    check::disjoint(op, "lse_out", args.lse_out, "out", args.out);
+    check::disjoint(op, "lse_out", args.lse_out,
+                    {{"out_a", &args.out_a}, {"out_b", &args.out_b}, {"out", &args.out}});
   }
   const Device device = detail::common_device(
       op, {{"out_a", &args.out_a}, {"lse_a", &args.lse_a}, {"out_b", &args.out_b},

@@ -1,7 +1,4 @@
 // rope_quantize: public entry — validation, then device dispatch.
-#include <iterator>
-#include <utility>
-
 #include "cpu/cpu_ops.hpp"
 #include "mla/error.hpp"
 #include "ops/dispatch.hpp"
@@ -100,21 +97,15 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream) {
            {"positions", &args.positions}, {"q_out", &args.q_out},
            {"k_nope_out", &args.k_nope_out}, {"k_pe_out", &args.k_pe_out}});
   // Not in place: the GPU reads a pair's partner while other threads write.
-  const std::pair<const char*, const TensorView*> outputs[] = {
-      {"q_out", &args.q_out}, {"k_nope_out", &args.k_nope_out}, {"k_pe_out", &args.k_pe_out}};
-  const std::pair<const char*, const TensorView*> inputs[] = {
+  const check::NamedViews inputs = {
       {"q_nope", &args.q_nope}, {"q_pe", &args.q_pe}, {"k_nope", &args.k_nope},
       {"k_pe", &args.k_pe}, {"cos_sin_cache", &args.cos_sin_cache}, {"positions", &args.positions}};
-  for (size_t i = 0; i < std::size(outputs); ++i) {
-    const auto& [name, t] = outputs[i];
-    if (t->empty()) continue;
-    for (const auto& [in_name, in] : inputs)
-      if (!in->empty()) check::disjoint(op, name, *t, in_name, *in);
-    for (size_t j = 0; j < i; ++j) {
-      const auto& [other_name, other] = outputs[j];
-      if (!other->empty()) check::disjoint(op, name, *t, other_name, *other);
-    }
-  }
+  check::disjoint(op, "q_out", args.q_out, inputs);
+  check::disjoint(op, "k_nope_out", args.k_nope_out, inputs);
+  check::disjoint(op, "k_nope_out", args.k_nope_out, "q_out", args.q_out);
+  check::disjoint(op, "k_pe_out", args.k_pe_out, inputs);
+  check::disjoint(op, "k_pe_out", args.k_pe_out,
+                  {{"q_out", &args.q_out}, {"k_nope_out", &args.k_nope_out}});
   if (num_tokens == 0) return;
   detail::run_on(op, device, [&] { cpu::rope_quantize(args); },
                  [&] {

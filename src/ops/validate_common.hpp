@@ -3,9 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <string>
-#include <utility>
 
 #include "mla/error.hpp"
 #include "mla/tensor.hpp"
@@ -33,7 +31,7 @@ inline void check_softmax_scale(const char* op, float softmax_scale) {
 inline void check_attention_outputs(
     const char* op, const char* q_name, const TensorView& out, const TensorView& lse,
     int64_t num_tokens, int64_t num_heads, int64_t out_dim, const char* out_dim_what,
-    std::initializer_list<std::pair<const char*, const TensorView*>> inputs) {
+    check::NamedViews inputs) {
   const std::string tokens = std::string("tokens, as ") + q_name;
   const std::string heads = std::string("heads, as ") + q_name;
   check::ndim(op, "out", out, 3);
@@ -50,12 +48,9 @@ inline void check_attention_outputs(
     check::dtype(op, "lse", lse, DType::kFP32);
     check::non_overlapping(op, "lse", lse);
     check::disjoint(op, "lse", lse, "out", out);
+    check::disjoint(op, "lse", lse, inputs);
   }
-  for (const auto& [name, t] : inputs) {
-    if (t->empty()) continue;
-    check::disjoint(op, "out", out, name, *t);
-    if (!lse.empty()) check::disjoint(op, "lse", lse, name, *t);
-  }
+  check::disjoint(op, "out", out, inputs);
 }
 
 }  // namespace mla::detail
