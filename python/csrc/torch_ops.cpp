@@ -360,7 +360,7 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
                 int64_t max_q_len, double softmax_scale, double q_scale, double k_scale,
                 const at::Tensor& out, const OptTensor& lse, const OptTensor& workspace,
                 int64_t workspace_max_batch, int64_t workspace_max_q_len, bool deterministic,
-                int64_t workspace_max_kv_len, int64_t workspace_split_keys) {
+                int64_t workspace_max_kv_len, int64_t workspace_split_keys, bool zero_padding_rows) {
   constexpr const char* op = "mla_decode";
   const bool has_q = q.has_value() && q->defined();
   const bool has_nope = q_nope.has_value() && q_nope->defined();
@@ -396,6 +396,7 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
   const ByteBuffer ws = bind.bytes(workspace, {"workspace", "[bytes]", {-1}, {ScalarType::Byte},
                                                Layout::kContiguous, true});
   args.deterministic = deterministic;
+  args.zero_padding_rows = zero_padding_rows;
   const int split_keys = to_int(op, "workspace_split_keys", workspace_split_keys);
   const int ws_max_kv_len = to_int(op, "workspace_max_kv_len", workspace_max_kv_len);
   if (ws.given && (split_keys < 0 || split_keys % 64 != 0))
@@ -518,7 +519,7 @@ TORCH_LIBRARY(mla, m) {
         "float softmax_scale, float q_scale, float k_scale, Tensor(a!) out, "
         "Tensor(b!)? lse, Tensor(c!)? workspace=None, int workspace_max_batch=0, "
         "int workspace_max_q_len=0, bool deterministic=False, int workspace_max_kv_len=0, "
-        "int workspace_split_keys=0) -> ()");
+        "int workspace_split_keys=0, bool zero_padding_rows=False) -> ()");
   m.def("decode_workspace_bytes(int max_batch, int max_q_len, int num_heads, int max_kv_len=0, "
         "int split_keys=0) -> int",
         &mla_torch::decode_workspace_bytes);

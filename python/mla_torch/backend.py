@@ -881,16 +881,16 @@ class MlaBackend:
                                  "[T, 64], or the whole latent [T, 576])")
             ops.append_latent_kv(k_nope, k_pe, forward_batch.out_cache_loc, kv_cache, k_scale)
         # DRAFT_EXTEND's graphs run num_draft_tokens query rows a request while the kernel
-        # attends the accepted ones (cu_q_lens from accept_length) and writes only their rows
-        # (ops.hpp): the rows past them are 0, not the graph pool's leftovers.
-        new_out = torch.zeros if kind == _DRAFT_EXTEND and md.graph else torch.empty
-        out = new_out((num_tokens, num_heads, self.kv_lora_rank), dtype=self.q_data_type,
-                      device=q.device)
+        # attends the accepted ones (cu_q_lens from accept_length): the rows past them come out
+        # 0 (zero_padding_rows), not the graph pool's leftovers.
+        out = torch.empty((num_tokens, num_heads, self.kv_lora_rank), dtype=self.q_data_type,
+                          device=q.device)
         ws = self._workspace(md, kind) if self.use_split_kv else {}
         ops.mla_decode(kv_cache, md.block_table, md.kv_lens, layer.scaling, q=query, q_nope=q_nope,
                        q_pe=q_pe, cu_q_lens=md.cu_q_lens, q_len=md.q_len or 1,
                        max_q_len=md.max_q_len, k_scale=k_scale, out=out,
-                       deterministic=self.deterministic, **ws)
+                       deterministic=self.deterministic,
+                       zero_padding_rows=kind == _DRAFT_EXTEND and md.graph, **ws)
         return out.view(num_tokens, num_heads * self.kv_lora_rank)
 
     def forward_decode(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], layer: Any,

@@ -102,7 +102,8 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
                lse: Optional[Tensor] = None, return_lse: bool = False,
                workspace: Optional[Tensor] = None, workspace_max_batch: int = 0,
                workspace_max_q_len: int = 0, deterministic: bool = False,
-               workspace_max_kv_len: int = 0, workspace_split_keys: int = 0):
+               workspace_max_kv_len: int = 0, workspace_split_keys: int = 0,
+               zero_padding_rows: bool = False):
     """Absorbed attention over the paged latent cache (causal for q_len > 1). Queries as q
     [T, H, 576] or q_nope [T, H, 512] + q_pe [T, H, 64]. Returns out [T, H, 512], or (out, lse)
     when return_lse or lse is given.
@@ -116,7 +117,11 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
     to run (64-row tiles, 16 on sm_86 / sm_89; the kernel chosen without the batch size): unsplit
     without a workspace,
     or with a deterministic workspace (workspace_split_keys > 0, DecodeWorkspace(...,
-    split_keys=N)) every request's keys cut at the multiples of N and spread over all SMs."""
+    split_keys=N)) every request's keys cut at the multiples of N and spread over all SMs.
+
+    zero_padding_rows (CUDA, with cu_q_lens): the rows past cu_q_lens[B] of a padded batch (a
+    CUDA graph captured at its largest query count) come out 0 with lse -inf, written on the
+    device after the attention; without it they are left as they were."""
     ref = q if q is not None else q_nope
     if ref is None:
         raise ValueError("mla_decode: give q or q_nope and q_pe")
@@ -131,7 +136,8 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
                              int(q_len), int(max_q_len), float(softmax_scale), float(q_scale),
                              float(k_scale), out, lse, workspace, int(workspace_max_batch),
                              int(workspace_max_q_len), bool(deterministic),
-                             int(workspace_max_kv_len), int(workspace_split_keys))
+                             int(workspace_max_kv_len), int(workspace_split_keys),
+                             bool(zero_padding_rows))
     return (out, lse) if lse is not None else out
 
 

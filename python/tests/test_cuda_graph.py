@@ -149,8 +149,8 @@ def test_capture_and_replay(kv_dtype, mode):
 def test_draft_extend_graph_packs_accepted_queries():
     """DRAFT_EXTEND captured at num_draft_tokens query rows a request and replayed with each
     request's accepted tokens (spec_info.accept_length, packed at the front): those rows equal an
-    eager run of the same batch, the rows past them are 0 (their NaN inputs are never read), and
-    the replay allocates nothing."""
+    eager run of the same batch, the rows past them are 0 (their NaN inputs are never read, and
+    the kernel writes them over the output's NaN), and the replay allocates nothing."""
     gen = torch.Generator().manual_seed(13)
     eng = Engine(torch.bfloat16, gen)
     backend = eng.backend
@@ -184,6 +184,7 @@ def test_draft_extend_graph_packs_accepted_queries():
         for buf, new in zip(bufs, new_inputs):
             buf[:total].copy_(new)
             buf[total:].fill_(float("nan"))
+        graph_out.fill_(float("nan"))  # what the rows held before: none may survive the replay
         got = replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, spec)
         assert torch.equal(got[total:], torch.zeros_like(got[total:])), f"replay {replay}"
 

@@ -583,6 +583,123 @@ TEST(GpuDecode, VariableQueryLengths) {
   }
 }
 
+// MlaDecodeArgs::zero_padding_rows. The data's last request is the padding: the call sees the
+// first B - 1 requests and T rows, so the rows past cu_q_lens[B - 1] are padding. With the flag
+// they come out 0 with lse -inf and every other row as the reference; without it they keep their
+// NaN and the other rows have the same bits. Both kernels, with and without a schedule, 16-byte
+// and element-wise output rows, every output dtype, with and without lse.
+TEST(GpuDecode, ZeroPaddingRows) {
+  MLA_REQUIRE_GPU();
+  struct Layout {
+    int heads;
+    DType out;
+    int out_pad;
+    bool lse;
+  };
+  for (Layout l : {Layout{16, DType::kBF16, 0, true}, Layout{96, DType::kFP32, 0, true},
+                   Layout{16, DType::kFP16, 1, true}, Layout{128, DType::kBF16, 2, false},
+                   Layout{12, DType::kFP32, 1, true}}) {
+    DecodeCase c;
+    c.num_heads = l.heads;
+    c.page_size = 16;
+    c.q_lens = {3, 0, 1, 5, 2, 4};  // the last request: the padding
+    c.kv_lens = {10, 5, 300, 40, 77, 64};
+    c.use_cu_q_lens = true;
+    c.out_dtype = l.out;
+    c.out_pad = l.out_pad;
+    c.with_lse = l.lse;
+    c.seed = uint64_t(3500 + l.heads + l.out_pad);
+    const DecodeData d = make_data(c);
+    const int64_t first_pad = d.q_start[size_t(d.B - 1)];
+    Reference ref = reference(d);
+    std::fill(ref.out.begin() + first_pad * d.H * kVDim, ref.out.end(), 0.0);
+    std::fill(ref.lse.begin() + first_pad * d.H, ref.lse.end(), kNegInf);
+    for (DecodeKernel kernel : {DecodeKernel::kAuto, DecodeKernel::kPortable}) {
+      for (bool scheduled : {false, true}) {
+        DecodeResult zeroed;
+        for (bool zero : {true, false}) {
+          DecodeData dz = d;
+          dz.c.kernel = kernel;
+          dz.c.use_schedule = scheduled;
+          SCOPED_TRACE(describe(dz.c) + (zero ? ", zero_padding_rows" : ", padding untouched"));
+          DeviceData dev(d);
+          MlaDecodeArgs a = dev.args(d);
+          a.kernel = kernel;
+          a.block_table.shape[0] = d.B - 1;
+          a.kv_lens.shape[0] = d.B - 1;
+          a.cu_q_lens.shape[0] = d.B;
+          a.zero_padding_rows = zero;
+          std::unique_ptr<OwnedSchedule> sched;
+          if (scheduled) {
+            sched = std::make_unique<OwnedSchedule>(int(d.B - 1), c.max_q_len(), int(d.H));
+            plan_for(sched->schedule, a, c, nullptr);
+            a.schedule = &sched->schedule;
+          }
+          mla_decode(a);
+          MLA_TEST_CUDA(cudaDeviceSynchronize());
+          HostTensor out = d.out_buf, lse = d.lse_buf;
+          dev.out.download(out);
+          dev.lse.download(lse);
+          const DecodeResult r = gather(d, out, lse);
+          if (zero) {
+            expect_matches(dz, r, ref);
+            zeroed = r;
+            continue;
+          }
+          const size_t covered = size_t(first_pad * d.H);
+          EXPECT_EQ(0, std::memcmp(r.out.data(), zeroed.out.data(), covered * kVDim * sizeof(float)));
+          EXPECT_TRUE(std::all_of(r.out.begin() + std::ptrdiff_t(covered * kVDim), r.out.end(),
+                                  [](float v) { return std::isnan(v); }))
+              << "padding rows written without zero_padding_rows";
+          if (l.lse)
+            EXPECT_TRUE(std::all_of(r.lse.begin() + std::ptrdiff_t(covered), r.lse.end(),
+                                    [](float v) { return std::isnan(v); }));
+        }
+      }
+    }
+    // In a graph: a replay whose cu_q_lens end earlier (the fifth request's two rows dropped)
+    // writes the rows the previous replay had written as padding.
+    if (l.heads != 16 || l.out_pad != 0) continue;
+    SCOPED_TRACE("graph replays");
+    DeviceData dev(d);
+    MlaDecodeArgs a = dev.args(d);
+    a.block_table.shape[0] = d.B - 1;
+    a.kv_lens.shape[0] = d.B - 1;
+    a.cu_q_lens.shape[0] = d.B;
+    a.zero_padding_rows = true;
+    OwnedSchedule sched(int(d.B - 1), c.max_q_len(), int(d.H));
+    a.schedule = &sched.schedule;
+    cudaStream_t stream;
+    MLA_TEST_CUDA(cudaStreamCreate(&stream));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MLA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    plan_for(sched.schedule, a, c, stream);
+    mla_decode(a, stream);
+    MLA_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+    MLA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 2; ++replay) {
+      if (replay == 1) {
+        HostTensor cu = d.cu_q_lens;
+        cu.i32(d.B - 1) = cu.i32(d.B - 2);  // request B - 2 has no queries now
+        MLA_TEST_CUDA(cudaMemcpy(dev.cu.ptr, cu.data(), cu.bytes.size(), cudaMemcpyHostToDevice));
+        const int64_t dropped = d.q_start[size_t(d.B - 2)];
+        std::fill(ref.out.begin() + dropped * d.H * kVDim, ref.out.end(), 0.0);
+        std::fill(ref.lse.begin() + dropped * d.H, ref.lse.end(), kNegInf);
+      }
+      MLA_TEST_CUDA(cudaGraphLaunch(exec, stream));
+      MLA_TEST_CUDA(cudaStreamSynchronize(stream));
+      HostTensor out = d.out_buf, lse = d.lse_buf;
+      dev.out.download(out);
+      dev.lse.download(lse);
+      expect_matches(d, gather(d, out, lse), ref);
+    }
+    MLA_TEST_CUDA(cudaGraphExecDestroy(exec));
+    MLA_TEST_CUDA(cudaGraphDestroy(graph));
+    MLA_TEST_CUDA(cudaStreamDestroy(stream));
+  }
+}
+
 TEST(GpuDecode, SplitQueryEqualsFusedQuery) {
   MLA_REQUIRE_GPU();
   DecodeCase c = fixed(24, 16, {5, 77, 130, 1});

@@ -36,7 +36,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/trace.cuh"
@@ -496,6 +498,40 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
 #undef MLA_COMBINE_STAMP
 }
 
+// MlaDecodeArgs::zero_padding_rows: the query rows past cu_q_lens[B] (T * H rows of a batch
+// padded to the query count it was captured for) written as rows that see no key, out 0 and lse
+// -inf. Launched last in the call's chain as its dependent: it waits for the prior grids before
+// it reads cu_q_lens[B] and stores, so its stores never race the attention's, also where bad
+// lengths put a request's rows past cu_q_lens[B] (they end 0). One warp a (row, head), with a
+// grid stride from cu_q_lens[B] * H (clamped to [0, T]); 16-byte stores where every row starts
+// on a 16-byte boundary.
+constexpr int kZeroThreads = 256;
+
+__global__ void __launch_bounds__(kZeroThreads) mla_decode_zero_padding_rows_kernel(const DecodeParams p,
+                                                                                     int vector_rows) {
+  allow_dependent_launch();
+  wait_for_prior_grids();
+  const BatchLayout& l = p.layout;
+  const int end = min(max(l.cu_q_lens[int64_t(l.batch_size) * l.cu_q_lens_stride], 0), l.num_tokens);
+  const int64_t rows_end = int64_t(l.num_tokens) * l.num_heads;
+  const int lane = int(threadIdx.x) % 32;
+  const int64_t warps = int64_t(gridDim.x) * (kZeroThreads / 32);
+  const int elem = partial_elem_bytes(p.out_dtype);
+  for (int64_t r = int64_t(end) * l.num_heads + int64_t(blockIdx.x) * (kZeroThreads / 32) + threadIdx.x / 32;
+       r < rows_end; r += warps) {
+    const int64_t t = r / l.num_heads, h = r % l.num_heads;
+    char* row = static_cast<char*>(p.out) + (t * p.out_stride_t + h * p.out_stride_h) * elem;
+    if (vector_rows) {
+      for (int i = lane; i < kValueDim * elem / 16; i += 32) reinterpret_cast<uint4*>(row)[i] = make_uint4(0, 0, 0, 0);
+    } else if (elem == 4) {
+      for (int i = lane; i < kValueDim; i += 32) reinterpret_cast<float*>(row)[i] = 0.0f;
+    } else {
+      for (int i = lane; i < kValueDim; i += 32) reinterpret_cast<unsigned short*>(row)[i] = 0;
+    }
+    if (p.lse != nullptr && lane == 0) p.lse[t * p.lse_stride_t + h * p.lse_stride_h] = -INFINITY;
+  }
+}
+
 }  // namespace
 
 void launch_combine_kernel(const DecodeParams& params, cudaStream_t stream) {
@@ -511,6 +547,19 @@ void launch_combine_kernel(const DecodeParams& params, cudaStream_t stream) {
       launch_dependent(mla_decode_combine_kernel<float>, grid, dim3(kThreadsPerCta), 0, stream, params);
       break;
   }
+}
+
+void launch_zero_padding_rows(const DecodeParams& params, cudaStream_t stream) {
+  const int64_t elem = partial_elem_bytes(params.out_dtype);
+  const int vector_rows = reinterpret_cast<uintptr_t>(params.out) % 16 == 0 &&
+                          params.out_stride_t * elem % 16 == 0 && params.out_stride_h * elem % 16 == 0;
+  // Enough warps for every row when none is in use, at most four CTAs an SM (a grid stride).
+  const int64_t rows = int64_t(params.layout.num_tokens) * params.layout.num_heads;
+  const int64_t warps_per_cta = kZeroThreads / 32;
+  const int64_t ctas = std::min<int64_t>((rows + warps_per_cta - 1) / warps_per_cta,
+                                         4 * int64_t(current_device_info().sm_count));
+  launch_dependent(mla_decode_zero_padding_rows_kernel, dim3(unsigned(ctas)), dim3(kZeroThreads), 0, stream,
+                   params, vector_rows);
 }
 
 }  // namespace mla::cuda::decode

@@ -330,6 +330,7 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
     launch_for_rows<__half>(block_m, p, grid, cs);
   }
   if (p.has_schedule) launch_combine_kernel(p, cs);
+  if (args.zero_padding_rows && has_cu) launch_zero_padding_rows(p, cs);
 }
 
 namespace {

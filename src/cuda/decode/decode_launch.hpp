@@ -45,6 +45,10 @@ void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t str
 // Combine kernel: merges the pieces of every split unit of a planned schedule.
 void launch_combine_kernel(const DecodeParams& params, cudaStream_t stream);
 
+// MlaDecodeArgs::zero_padding_rows: writes the rows past cu_q_lens[B] (layout.cu_q_lens given),
+// after the call's other kernels.
+void launch_zero_padding_rows(const DecodeParams& params, cudaStream_t stream);
+
 // Plan kernel: writes the schedule of one batch into the workspace.
 void launch_plan_kernel(const PlanParams& params, cudaStream_t stream);
 
