@@ -596,7 +596,9 @@ TEST(GpuDecode, ZeroPaddingRows) {
     int out_pad;
     bool lse;
   };
+  // Pads of 8 (16-bit) and 4 (fp32) keep every row on a 16-byte boundary with gaps between rows.
   for (Layout l : {Layout{16, DType::kBF16, 0, true}, Layout{96, DType::kFP32, 0, true},
+                   Layout{16, DType::kBF16, 8, true}, Layout{24, DType::kFP32, 4, true},
                    Layout{16, DType::kFP16, 1, true}, Layout{128, DType::kBF16, 2, false},
                    Layout{12, DType::kFP32, 1, true}}) {
     DecodeCase c;
@@ -651,52 +653,60 @@ TEST(GpuDecode, ZeroPaddingRows) {
           EXPECT_TRUE(std::all_of(r.out.begin() + std::ptrdiff_t(covered * kVDim), r.out.end(),
                                   [](float v) { return std::isnan(v); }))
               << "padding rows written without zero_padding_rows";
-          if (l.lse)
+          EXPECT_EQ(r.stray_out, 0);
+          EXPECT_EQ(r.stray_lse, 0);
+          if (l.lse) {
+            EXPECT_EQ(0, std::memcmp(r.lse.data(), zeroed.lse.data(), covered * sizeof(float)));
             EXPECT_TRUE(std::all_of(r.lse.begin() + std::ptrdiff_t(covered), r.lse.end(),
                                     [](float v) { return std::isnan(v); }));
+          }
         }
       }
     }
-    // In a graph: a replay whose cu_q_lens end earlier (the fifth request's two rows dropped)
-    // writes the rows the previous replay had written as padding.
+    // In a graph (the padding kernel after the combine, and after the decode kernel alone): a
+    // replay whose cu_q_lens end earlier (the fifth request's two rows dropped) writes the rows
+    // the previous replay had written as padding.
     if (l.heads != 16 || l.out_pad != 0) continue;
-    SCOPED_TRACE("graph replays");
-    DeviceData dev(d);
-    MlaDecodeArgs a = dev.args(d);
-    a.block_table.shape[0] = d.B - 1;
-    a.kv_lens.shape[0] = d.B - 1;
-    a.cu_q_lens.shape[0] = d.B;
-    a.zero_padding_rows = true;
-    OwnedSchedule sched(int(d.B - 1), c.max_q_len(), int(d.H));
-    a.schedule = &sched.schedule;
-    cudaStream_t stream;
-    MLA_TEST_CUDA(cudaStreamCreate(&stream));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    MLA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    plan_for(sched.schedule, a, c, stream);
-    mla_decode(a, stream);
-    MLA_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
-    MLA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-    for (int replay = 0; replay < 2; ++replay) {
-      if (replay == 1) {
-        HostTensor cu = d.cu_q_lens;
-        cu.i32(d.B - 1) = cu.i32(d.B - 2);  // request B - 2 has no queries now
-        MLA_TEST_CUDA(cudaMemcpy(dev.cu.ptr, cu.data(), cu.bytes.size(), cudaMemcpyHostToDevice));
-        const int64_t dropped = d.q_start[size_t(d.B - 2)];
-        std::fill(ref.out.begin() + dropped * d.H * kVDim, ref.out.end(), 0.0);
-        std::fill(ref.lse.begin() + dropped * d.H, ref.lse.end(), kNegInf);
+    for (bool scheduled : {true, false}) {
+      SCOPED_TRACE(scheduled ? "graph replays, schedule" : "graph replays, no schedule");
+      Reference graph_ref = ref;
+      DeviceData dev(d);
+      MlaDecodeArgs a = dev.args(d);
+      a.block_table.shape[0] = d.B - 1;
+      a.kv_lens.shape[0] = d.B - 1;
+      a.cu_q_lens.shape[0] = d.B;
+      a.zero_padding_rows = true;
+      OwnedSchedule sched(int(d.B - 1), c.max_q_len(), int(d.H));
+      if (scheduled) a.schedule = &sched.schedule;
+      cudaStream_t stream;
+      MLA_TEST_CUDA(cudaStreamCreate(&stream));
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      MLA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      if (scheduled) plan_for(sched.schedule, a, c, stream);
+      mla_decode(a, stream);
+      MLA_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+      MLA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      for (int replay = 0; replay < 2; ++replay) {
+        if (replay == 1) {
+          HostTensor cu = d.cu_q_lens;
+          cu.i32(d.B - 1) = cu.i32(d.B - 2);  // request B - 2 has no queries now
+          MLA_TEST_CUDA(cudaMemcpy(dev.cu.ptr, cu.data(), cu.bytes.size(), cudaMemcpyHostToDevice));
+          const int64_t dropped = d.q_start[size_t(d.B - 2)];
+          std::fill(graph_ref.out.begin() + dropped * d.H * kVDim, graph_ref.out.end(), 0.0);
+          std::fill(graph_ref.lse.begin() + dropped * d.H, graph_ref.lse.end(), kNegInf);
+        }
+        MLA_TEST_CUDA(cudaGraphLaunch(exec, stream));
+        MLA_TEST_CUDA(cudaStreamSynchronize(stream));
+        HostTensor out = d.out_buf, lse = d.lse_buf;
+        dev.out.download(out);
+        dev.lse.download(lse);
+        expect_matches(d, gather(d, out, lse), graph_ref);
       }
-      MLA_TEST_CUDA(cudaGraphLaunch(exec, stream));
-      MLA_TEST_CUDA(cudaStreamSynchronize(stream));
-      HostTensor out = d.out_buf, lse = d.lse_buf;
-      dev.out.download(out);
-      dev.lse.download(lse);
-      expect_matches(d, gather(d, out, lse), ref);
+      MLA_TEST_CUDA(cudaGraphExecDestroy(exec));
+      MLA_TEST_CUDA(cudaGraphDestroy(graph));
+      MLA_TEST_CUDA(cudaStreamDestroy(stream));
     }
-    MLA_TEST_CUDA(cudaGraphExecDestroy(exec));
-    MLA_TEST_CUDA(cudaGraphDestroy(graph));
-    MLA_TEST_CUDA(cudaStreamDestroy(stream));
   }
 }
 

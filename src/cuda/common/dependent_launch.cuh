@@ -1,4 +1,5 @@
-// Programmatic dependent launch: the kernels of one decode call (plan, decode, combine) are
+// Programmatic dependent launch: the kernels of one decode call (decode, combine, and the
+// padding rows' zero-fill where asked; the plan before them) are
 // launched so that the next one's CTAs may start while the previous one is still running. A kernel
 // launched this way must call wait_for_prior_grids() before it reads anything an earlier kernel
 // in the stream writes; every kernel of the chain calls allow_dependent_launch() once its CTAs

@@ -507,7 +507,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
 // on a 16-byte boundary.
 constexpr int kZeroThreads = 256;
 
-__global__ void __launch_bounds__(kZeroThreads) mla_decode_zero_padding_rows_kernel(const DecodeParams p,
+__global__ void __launch_bounds__(kZeroThreads) mla_decode_zero_padding_rows_kernel(const __grid_constant__ DecodeParams p,
                                                                                      int vector_rows) {
   allow_dependent_launch();
   wait_for_prior_grids();
