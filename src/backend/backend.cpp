@@ -724,6 +724,9 @@ void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, cons
   decode.schedule = p.schedule;
   decode.check_metadata = config.check_metadata;
   decode.deterministic = config.deterministic;
+  // DRAFT_EXTEND planned from device lengths alone takes its query rows from the queries: rows
+  // past the lengths' total (a padded batch) come out as rows that see no key.
+  decode.zero_padding_rows = p.num_tokens < 0 && !p.cu_q_lens.empty();
   mla_decode(decode, stream);
 }
 

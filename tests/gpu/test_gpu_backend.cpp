@@ -621,6 +621,61 @@ TEST(GpuBackend, EmptyRowsMatchCpuBackend) {
   }
 }
 
+// DRAFT_EXTEND planned from device lengths alone takes its query count from the queries, so an
+// engine may pass more rows than the lengths add up to (a padded batch): those rows come out 0
+// with lse -inf, whatever the output held, and the other rows have the unpadded call's bits.
+TEST(GpuBackend, DraftExtendPaddedQueriesGiveEmptyRows) {
+  MLA_REQUIRE_GPU();
+  std::mt19937_64 rng(43);
+  const int heads = 16, pad = 5;
+  Pool pool(16, 40, 512, 4, DType::kBF16, rng());
+  // Nothing is saved: every request's keys are tokens already cached.
+  AbsorbedBatch b = make_absorbed_batch(pool, ForwardMode::kDraftExtend,
+                                        {{0, 40, 2, 40}, {1, 7, 0, 7}, {2, 100, 3, 100}}, heads,
+                                        DType::kInt32, rng);
+  pool.upload();
+  b.upload();
+  BackendConfig config = make_config(pool, heads, true, DType::kBF16);
+  config.num_draft_tokens = 3;
+  for (bool split : {true, false}) {  // unsplit: the deterministic mode without split keys
+    SCOPED_TRACE(split ? "split-KV schedule" : "unsplit");
+    config.deterministic = !split;
+    Backend gpu(config);
+    CudaStream stream;
+    const LayerParams layer = make_layer(pool, true);
+    const ForwardBatch batch = b.batch(true, false);
+    gpu.init_forward_metadata(batch, stream.get());
+    b.d_out.upload(b.out);
+    b.d_lse.upload(b.lse);
+    gpu.forward_decode(batch, layer, b.args(true, false), stream.get());
+    MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+    const HostTensor out = b.d_out.download(), lse = b.d_lse.download();
+
+    const int64_t T = b.num_tokens, rows = T + pad;
+    HostTensor q(DType::kBF16, {rows, heads, kLatentDim}), out_pad(DType::kBF16, {rows, heads, kKvLoraRank}),
+        lse_pad(DType::kFP32, {rows, heads});
+    q.fill_nan();
+    out_pad.fill_nan();
+    lse_pad.fill_nan();
+    std::copy(b.q.bytes.begin(), b.q.bytes.end(), q.bytes.begin());
+    DeviceCopy d_q(q), d_out(out_pad), d_lse(lse_pad);
+    AbsorbedAttentionArgs args = b.args(true, false);
+    args.q = d_q.view();
+    args.out = d_out.view();
+    args.lse = d_lse.view();
+    gpu.forward_decode(batch, layer, args, stream.get());
+    MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+    const HostTensor got_out = d_out.download(), got_lse = d_lse.download();
+    EXPECT_TRUE(std::equal(out.bytes.begin(), out.bytes.end(), got_out.bytes.begin()));
+    EXPECT_TRUE(std::equal(lse.bytes.begin(), lse.bytes.end(), got_lse.bytes.begin()));
+    int64_t bad = 0;
+    for (int64_t i = T * heads * kKvLoraRank; i < got_out.numel(); ++i) bad += got_out.get(i) != 0.0f;
+    for (int64_t i = T * heads; i < got_lse.numel(); ++i)
+      bad += !(std::isinf(got_lse.get(i)) && got_lse.get(i) < 0);
+    EXPECT_EQ(bad, 0) << "padding rows that are not 0 / -inf";
+  }
+}
+
 // BackendConfig::check_metadata: device lengths that outgrow the block table (its width taken
 // from stale seq_lens_cpu) are reported before the launch; without it nothing is (the kernels
 // clamp the lengths to the table).
