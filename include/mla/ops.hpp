@@ -137,10 +137,10 @@ struct MlaDecodeArgs {
   TensorView block_table;  // [B, max_blocks] int32, page ids in [0, P) for the pages in use
   TensorView kv_lens;      // [B] int32, each in [0, max_blocks * S]
   // [B + 1] int32, cu_q_lens[0] == 0, non-decreasing, cu_q_lens[B] == T; optional. On the GPU
-  // (where it is checked only with check_metadata, by this rule) cu_q_lens[B] < T is allowed: a
-  // CUDA-graph DRAFT_EXTEND captured at its largest query count relies on that. The rows past
-  // cu_q_lens[B] are then left untouched, or written as rows that see no key with
-  // zero_padding_rows.
+  // (where it is checked only with check_metadata, by this rule), and on the CPU with
+  // zero_padding_rows, cu_q_lens[B] < T is allowed: a CUDA-graph DRAFT_EXTEND captured at its
+  // largest query count relies on that. The rows past cu_q_lens[B] are then left untouched (GPU),
+  // or written as rows that see no key with zero_padding_rows.
   TensorView cu_q_lens;
   int q_len = 1;           // queries per request when cu_q_lens is empty (T == B * q_len)
   int max_q_len = 0;       // upper bound on q_len_b (GPU launch shape); 0 = derive (CPU, or
@@ -175,11 +175,11 @@ struct MlaDecodeArgs {
   // request's keys are cut at the multiples of its split_keys and spread over all SMs. The CPU
   // path is deterministic in either mode.
   bool deterministic = false;
-  // GPU, with cu_q_lens: the rows of out past cu_q_lens[B] (a padded batch's) are written as rows
-  // that see no key, out 0 and lse -inf, by one more small kernel in the stream after the
+  // With cu_q_lens: the rows past cu_q_lens[B] (a padded batch's) are written as rows that see
+  // no key, out 0 and lse -inf. On the GPU by one more small kernel in the stream after the
   // attention (no host sync; capturable), so that a graph replayed with fewer queries than it
   // was captured for leaves no stale rows and needs no zero-fill of the whole output first.
-  // Without cu_q_lens, or on the CPU (where cu_q_lens[B] == T), there are no such rows.
+  // Without cu_q_lens there are no such rows.
   bool zero_padding_rows = false;
 };
 void mla_decode(const MlaDecodeArgs& args, Stream stream = nullptr);

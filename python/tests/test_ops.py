@@ -222,6 +222,37 @@ def test_mla_decode(device, gen, heads, page_size, kv_lens, q_lens, dtype, split
         assert_close(lse, lse_ref, *LSE_TOL, "lse (split-KV)")
 
 
+def test_mla_decode_zero_padding_rows(device, gen):
+    """zero_padding_rows: a batch padded past cu_q_lens[B] (the last request's three rows here)
+    gets those rows 0 with lse -inf, the others as the reference. Without it the CPU refuses the
+    padding and CUDA leaves the rows as they were."""
+    heads, kv_lens, q_lens = 16, [20, 7, 33], [2, 1, 3]
+    paged = make_paged_cache(kv_lens, 16, torch.bfloat16, device, gen)
+    q = torch.randn(sum(q_lens), heads, LATENT, generator=gen).to(torch.bfloat16).to(device)
+    out_ref, lse_ref = ref_mla_decode(q, paged, q_lens, 0.1)
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)  # the first two requests
+    args = (paged.cache, paged.block_table[:2], paged.kv_lens[:2], 0.1)
+    workspaces = [{}]
+    if device.type == "cuda":
+        workspaces.append(ops.DecodeWorkspace(2, 3, heads, device).kwargs())
+    for ws in workspaces:
+        out = torch.full((6, heads, NOPE), float("nan"), dtype=torch.bfloat16, device=device)
+        lse = torch.full((6, heads), float("nan"), device=device)
+        ops.mla_decode(*args, q=q, cu_q_lens=cu, max_q_len=3, out=out, lse=lse,
+                       zero_padding_rows=True, **ws)
+        assert_close(out[:3], out_ref[:3], *TOL[torch.bfloat16], "out")
+        assert_close(lse[:3], lse_ref[:3], *LSE_TOL, "lse")
+        assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+        assert torch.equal(lse[3:], torch.full_like(lse[3:], float("-inf")))
+    out.fill_(float("nan"))
+    if device.type == "cpu":
+        with pytest.raises(RuntimeError, match=r"cu_q_lens\[2\] must equal the 6 query tokens"):
+            ops.mla_decode(*args, q=q, cu_q_lens=cu, max_q_len=3, out=out)
+    else:
+        ops.mla_decode(*args, q=q, cu_q_lens=cu, max_q_len=3, out=out)
+        assert torch.isnan(out[3:].float()).all()
+
+
 def test_mla_decode_fp32_output_and_strided(device, gen):
     heads, kv_lens = 8, [19, 44]
     paged = make_paged_cache(kv_lens, 16, torch.bfloat16, device, gen)

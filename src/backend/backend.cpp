@@ -650,11 +650,12 @@ void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, cons
               " tokens but the plan for this ", forward_mode_name(p.mode), " batch has ",
               p.num_tokens);
   // DRAFT_EXTEND planned from device lengths alone: where they are readable here (CPU tensors),
-  // their total is checked against the queries under the caller's names.
+  // their total is checked against the queries under the caller's names (the rows past it are a
+  // padded batch's: see zero_padding_rows below).
   if (p.num_tokens < 0 && !p.cu_q_lens.empty() && p.cu_q_lens.device.type == DeviceType::kCPU) {
     const int64_t planned = cpu::load_index(p.cu_q_lens, p.batch_size);
-    MLA_CHECK(planned == num_tokens, op, ": batch.extend_seq_lens add up to ", planned,
-              " query tokens but ", q_name, " has ", num_tokens);
+    MLA_CHECK(planned <= num_tokens, op, ": batch.extend_seq_lens add up to ", planned,
+              " query tokens but ", q_name, " has only ", num_tokens);
   }
   check_heads_operand(op, "args.out", args.out, num_tokens, "tokens, as the queries", kKvLoraRank,
                       "kv_lora_rank", config.out_dtype);

@@ -17,6 +17,7 @@
 // Data-dependent checks (cu_q_lens, kv_lens, page ids of the keys in use) run on the calling
 // thread before any output is written.
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "cpu/cpu_ops.hpp"
@@ -43,9 +44,8 @@ struct WorkItem {
 };
 
 // Reads cu_q_lens / kv_lens / block_table on the host and checks every value the kernel uses.
-// gpu_rules: cu_q_lens[B] may be below T (the GPU decode leaves the rows past it untouched).
-std::vector<Request> read_requests(const MlaDecodeArgs& args, int64_t num_tokens,
-                                   bool gpu_rules = false) {
+// padded: cu_q_lens[B] may be below T (the GPU decode's rule; on the CPU with zero_padding_rows).
+std::vector<Request> read_requests(const MlaDecodeArgs& args, int64_t num_tokens, bool padded) {
   constexpr const char* op = "mla_decode";
   const int64_t batch = args.block_table.shape[0];
   const int64_t max_blocks = args.block_table.shape[1];
@@ -57,7 +57,7 @@ std::vector<Request> read_requests(const MlaDecodeArgs& args, int64_t num_tokens
 
   if (cu_q_lens)
     check_cu_lens_ends(op, "cu_q_lens", cu_q_lens, batch, num_tokens,
-                       args.q.empty() ? "query tokens of q_nope" : "query tokens of q", gpu_rules);
+                       args.q.empty() ? "query tokens of q_nope" : "query tokens of q", padded);
   std::vector<Request> requests(static_cast<size_t>(batch));
   for (int64_t b = 0; b < batch; ++b) {
     Request& req = requests[size_t(b)];
@@ -181,15 +181,33 @@ class DecodeRunner {
   float value_scale_ = 1;
 };
 
+// MlaDecodeArgs::zero_padding_rows: the rows from `first` to T written as rows that see no key.
+void write_padding_rows(const MlaDecodeArgs& args, int64_t first, int64_t num_tokens) {
+  const TensorView& out = args.out;
+  for (int64_t t = first; t < num_tokens; ++t)
+    for (int64_t h = 0; h < out.shape[1]; ++h) {
+      const int64_t at = t * out.stride[0] + h * out.stride[1];
+      for (int64_t c = 0; c < kKvLoraRank; ++c) store_from_float(out.data, out.dtype, at + c, 0.0f);
+      if (!args.lse.empty())
+        static_cast<float*>(args.lse.data)[t * args.lse.stride[0] + h * args.lse.stride[1]] =
+            -std::numeric_limits<float>::infinity();
+    }
+}
+
 }  // namespace
 
 void mla_decode(const MlaDecodeArgs& args) {
   const int64_t num_tokens = (args.q.empty() ? args.q_nope : args.q).shape[0];
-  DecodeRunner(args, read_requests(args, num_tokens)).run();
+  const bool padded = args.zero_padding_rows && !args.cu_q_lens.empty();
+  DecodeRunner(args, read_requests(args, num_tokens, padded)).run();
+  if (padded) {
+    const int64_t batch = args.block_table.shape[0];
+    write_padding_rows(args, static_cast<const int32_t*>(args.cu_q_lens.data)[batch], num_tokens);
+  }
 }
 
 void check_decode_metadata(const MlaDecodeArgs& args, int64_t num_tokens) {
-  (void)read_requests(args, num_tokens, /*gpu_rules=*/true);
+  (void)read_requests(args, num_tokens, /*padded=*/true);
 }
 
 }  // namespace mla::cpu

@@ -1449,7 +1449,29 @@ TEST(BackendErrors, HostLengthsPastInt32AndDraftStepsPastTheContextNameTheArgume
     d.extend_seq_lens = three.view();
     device_lengths.init_forward_metadata(d);
     EXPECT_TRUE(throws_error([&] { device_lengths.forward_decode(d, make_layer(pool), p.args(false)); },
-                             {"batch.extend_seq_lens", "add up to 3", "has 2"}));
+                             {"batch.extend_seq_lens", "add up to 3", "has only 2"}));
+  }
+  // Fewer (a padded batch: request 1 has none now): the row past them comes out 0 with lse
+  // -inf, and request 0's row has the bits it has when request 1 has its query.
+  {
+    Backend device_lengths(config);
+    ForwardBatch d = p.batch(ForwardMode::kDraftExtend, false);
+    HostTensor one_one = test::int32_tensor({1, 1}), one_none = test::int32_tensor({1, 0});
+    d.extend_seq_lens = one_one.view();
+    device_lengths.init_forward_metadata(d);
+    p.poison_outputs();
+    device_lengths.forward_decode(d, make_layer(pool), p.args(false));
+    const HostTensor out_full = p.out, lse_full = p.lse;
+    d.extend_seq_lens = one_none.view();
+    device_lengths.init_forward_metadata(d);
+    p.poison_outputs();
+    device_lengths.forward_decode(d, make_layer(pool), p.args(false));
+    const int64_t row = int64_t(heads) * kKvLoraRank;
+    const auto row_bytes = std::ptrdiff_t(row * int64_t(dtype_size(p.out.dtype)));
+    EXPECT_TRUE(std::equal(p.out.bytes.begin(), p.out.bytes.begin() + row_bytes, out_full.bytes.begin()));
+    EXPECT_TRUE(std::equal(p.lse.bytes.begin(), p.lse.bytes.begin() + heads * 4, lse_full.bytes.begin()));
+    for (int64_t i = row; i < 2 * row; ++i) EXPECT_EQ(p.out.get(i), 0.0f) << "padding element " << i;
+    for (int64_t i = heads; i < 2 * heads; ++i) EXPECT_EQ(p.lse.get(i), -INFINITY) << "padding lse " << i;
   }
   // Three draft steps: the last attends seq_lens + 1 keys, past the context of 128 here.
   AbsorbedProblem full = make_absorbed_problem(pool, {{2, 127, 1}}, heads, DType::kFP16, rng);

@@ -310,6 +310,48 @@ TEST(MlaDecodeCpu, DraftExtendVariableQueryLength) {
   }
 }
 
+// zero_padding_rows: the problem's last request is the padding (the call sees the first B - 1
+// requests and all T rows). Its rows come out 0 with lse -inf, the others as the reference; the
+// strided layout's gaps stay NaN. Without the flag the CPU refuses cu_q_lens[B] < T; with it,
+// cu_q_lens[B] past T is still refused.
+TEST(MlaDecodeCpu, ZeroPaddingRows) {
+  for (bool strided : {false, true}) {
+    for (DType out_dtype : {DType::kFP32, DType::kBF16}) {
+      DecodeSetup s;
+      s.num_heads = 12;
+      s.page_size = 4;
+      s.kv_lens = {20, 5, 9, 13};
+      s.q_lens = {3, 0, 2, 4};  // the last request: the padding
+      s.variable_q = true;
+      s.strided = strided;
+      s.out_dtype = out_dtype;
+      s.seed = strided ? 451 : 452;
+      SCOPED_TRACE(std::string(strided ? "strided" : "contiguous") + ", out " + std::string(dtype_name(out_dtype)));
+      std::mt19937_64 rng(s.seed);
+      const LogicalCache logical = random_logical_cache(s, rng);
+      auto p = make_problem(s, logical, rng);
+      NaiveAttention ref = naive_mla_decode(p->args);
+      const int64_t first_pad = 5, T = 9, H = s.num_heads;
+      std::fill(ref.out.begin() + first_pad * H * kKvLoraRank, ref.out.end(), 0.0);
+      std::fill(ref.lse.begin() + first_pad * H, ref.lse.end(), -kInf);
+      MlaDecodeArgs a = p->args;
+      a.block_table.shape[0] = 3;
+      a.kv_lens.shape[0] = 3;
+      a.cu_q_lens.shape[0] = 4;
+      EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"cu_q_lens[3] must equal the 9 query tokens of q, got 5"}));
+      a.zero_padding_rows = true;
+      ASSERT_NO_THROW(mla_decode(a));
+      const Tolerance tol = out_tolerance(out_dtype);
+      EXPECT_TRUE(all_close(gather_floats(a.out), ref.out, tol.atol, tol.rtol));
+      EXPECT_TRUE(all_close(gather_floats(a.lse), ref.lse, kLseTolerance.atol, kLseTolerance.rtol));
+      EXPECT_EQ(touched_outside_view(p->out, a.out), 0);
+      EXPECT_EQ(touched_outside_view(p->lse, a.lse), 0);
+      p->cu_q_lens.i32(3) = int32_t(T + 1);
+      EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"cu_q_lens[3] must be at most the 9 query tokens"}));
+    }
+  }
+}
+
 TEST(MlaDecodeCpu, SplitQueryEqualsFusedQuery) {
   DecodeSetup s;
   s.num_heads = 24;
