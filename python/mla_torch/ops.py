@@ -119,9 +119,10 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
     or with a deterministic workspace (workspace_split_keys > 0, DecodeWorkspace(...,
     split_keys=N)) every request's keys cut at the multiples of N and spread over all SMs.
 
-    zero_padding_rows (CUDA, with cu_q_lens): the rows past cu_q_lens[B] of a padded batch (a
-    CUDA graph captured at its largest query count) come out 0 with lse -inf, written on the
-    device after the attention; without it they are left as they were."""
+    zero_padding_rows (with cu_q_lens): the rows past cu_q_lens[B] of a padded batch (a CUDA
+    graph captured at its largest query count) come out 0 with lse -inf, on CUDA written on the
+    device after the attention. Without it CUDA leaves them as they were and the CPU refuses
+    cu_q_lens[B] below T."""
     ref = q if q is not None else q_nope
     if ref is None:
         raise ValueError("mla_decode: give q or q_nope and q_pe")
