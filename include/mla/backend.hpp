@@ -122,8 +122,8 @@ struct ForwardBatch {
   TensorView positions;               // [T] int32/int64 rope positions (when the backend ropes)
   TensorView extend_seq_lens;         // [>= B] int32/int64 DRAFT_EXTEND: queries per request
                                       // (alone, without extend_seq_lens_cpu: T comes from the
-                                      // queries, and on the GPU query rows past the lengths'
-                                      // total, a padded batch's, give out 0 and lse -inf)
+                                      // queries, and query rows past the lengths' total, a
+                                      // padded batch's, give out 0 and lse -inf)
   std::span<const int32_t> seq_lens_cpu;            // [B] optional host copy of seq_lens
   std::span<const int32_t> extend_seq_lens_cpu;     // [B] EXTEND: required; DRAFT_EXTEND: optional
   std::span<const int32_t> extend_prefix_lens_cpu;  // [B] EXTEND: required

@@ -17,7 +17,7 @@
 // Data-dependent checks (cu_q_lens, kv_lens, page ids of the keys in use) run on the calling
 // thread before any output is written.
 #include <algorithm>
-#include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpu/cpu_ops.hpp"
@@ -181,29 +181,19 @@ class DecodeRunner {
   float value_scale_ = 1;
 };
 
-// MlaDecodeArgs::zero_padding_rows: the rows from `first` to T written as rows that see no key.
-void write_padding_rows(const MlaDecodeArgs& args, int64_t first, int64_t num_tokens) {
-  const TensorView& out = args.out;
-  for (int64_t t = first; t < num_tokens; ++t)
-    for (int64_t h = 0; h < out.shape[1]; ++h) {
-      const int64_t at = t * out.stride[0] + h * out.stride[1];
-      for (int64_t c = 0; c < kKvLoraRank; ++c) store_from_float(out.data, out.dtype, at + c, 0.0f);
-      if (!args.lse.empty())
-        static_cast<float*>(args.lse.data)[t * args.lse.stride[0] + h * args.lse.stride[1]] =
-            -std::numeric_limits<float>::infinity();
-    }
-}
-
 }  // namespace
 
 void mla_decode(const MlaDecodeArgs& args) {
   const int64_t num_tokens = (args.q.empty() ? args.q_nope : args.q).shape[0];
   const bool padded = args.zero_padding_rows && !args.cu_q_lens.empty();
-  DecodeRunner(args, read_requests(args, num_tokens, padded)).run();
+  std::vector<Request> requests = read_requests(args, num_tokens, padded);
+  // zero_padding_rows: the rows past cu_q_lens[B] are one more request, without keys (out 0,
+  // lse -inf, as every row that sees no key).
   if (padded) {
-    const int64_t batch = args.block_table.shape[0];
-    write_padding_rows(args, static_cast<const int32_t*>(args.cu_q_lens.data)[batch], num_tokens);
+    const int64_t end = static_cast<const int32_t*>(args.cu_q_lens.data)[args.block_table.shape[0]];
+    requests.push_back({end, num_tokens - end, 0});
   }
+  DecodeRunner(args, std::move(requests)).run();
 }
 
 void check_decode_metadata(const MlaDecodeArgs& args, int64_t num_tokens) {
