@@ -83,7 +83,7 @@ def capture(backend, layer, mode, fb, args):
     return graph, out
 
 
-def replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, spec):
+def run_replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, spec):
     """The engine's replay (metadata update, then the graph) after the inputs were written;
     asserts that it allocates nothing and returns a copy of the graph's output."""
     torch.cuda.synchronize()
@@ -131,7 +131,7 @@ def test_capture_and_replay(kv_dtype, mode):
             loc_buf[:tokens].copy_(locs)
             for buf, new in zip((q_buf, k_buf, qr_buf, kr_buf), new_inputs):
                 buf[:tokens].copy_(new)
-            got = replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, spec)
+            got = run_replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, spec)
 
             # The same batch eagerly, with a fresh plan (and host lengths).
             eager_fb = ForwardBatch(forward_mode=mode, batch_size=bs,
@@ -185,7 +185,7 @@ def test_draft_extend_graph_packs_accepted_queries():
             buf[:total].copy_(new)
             buf[total:].fill_(float("nan"))
         graph_out.fill_(float("nan"))  # what the rows held before: none may survive the replay
-        got = replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, spec)
+        got = run_replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, spec)
         assert torch.equal(got[total:], torch.zeros_like(got[total:])), f"replay {replay}"
 
         seq = lens + accept
@@ -231,7 +231,7 @@ def test_padded_batch_replay():
     for buf, new in zip(bufs, new_inputs):
         buf.zero_()
         buf[:real].copy_(new)
-    got = replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, None)
+    got = run_replay(backend, graph, graph_out, bs, req_buf, len_buf, mode, None)
     assert torch.isfinite(got.float()).all()
 
     eager_fb = ForwardBatch(forward_mode=mode, batch_size=real, req_pool_indices=reqs.cuda(),
