@@ -199,7 +199,12 @@ class Backend {
   // CUDA graphs (decode family). Preallocates kv_lens [max_bs] and a block table
   // [max_bs, padded_block_count(max_context_len)]; capture and replay fill their first bs rows in
   // place, on the device (no allocation, no host copy), and make them the current plan. Each
-  // request then has q_len = 1 (DECODE) or num_draft_tokens (TARGET_VERIFY, DRAFT_EXTEND) rows.
+  // request then has q_len = 1 (DECODE) or num_draft_tokens (TARGET_VERIFY) query rows. A
+  // DRAFT_EXTEND graph runs bs x num_draft_tokens query rows: with extend_seq_lens ([>= bs] int32
+  // / int64 on the device, each at most num_draft_tokens: a replay's accepted tokens) request b
+  // has extend_seq_lens[b] rows packed after the ones before it, and the rows past their total
+  // come out 0 with lse -inf; without it every request has num_draft_tokens rows. A graph
+  // captured either way replays either way.
   // req_pool_indices and seq_lens may be longer than bs (the engine's static buffers). A backend
   // that ropes inside forward_decode needs absorbed_workspace_bytes(config, max_num_tokens) of
   // workspace; a smaller one fails at the first forward_decode that needs more, with mla::Error.
@@ -207,10 +212,12 @@ class Backend {
   void init_forward_metadata_capture_cuda_graph(int bs, int64_t num_tokens,
                                                 const TensorView& req_pool_indices,
                                                 const TensorView& seq_lens, ForwardMode mode,
-                                                Stream stream = nullptr);
+                                                Stream stream = nullptr,
+                                                const TensorView& extend_seq_lens = {});
   void init_forward_metadata_replay_cuda_graph(int bs, const TensorView& req_pool_indices,
                                                const TensorView& seq_lens, ForwardMode mode,
-                                               Stream stream = nullptr);
+                                               Stream stream = nullptr,
+                                               const TensorView& extend_seq_lens = {});
 
   // Writes the new tokens' latents k_nope [T, 512] | k_pe [T, 64] at batch.out_cache_loc.
   void save_latent_kv(const ForwardBatch& batch, const LayerParams& layer, const TensorView& k_nope,

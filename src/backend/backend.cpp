@@ -446,13 +446,16 @@ void Backend::Impl::plan_extend(const ForwardBatch& batch, Stream stream) {
 
 void Backend::Impl::plan_fixed(const char* op, int bs, int64_t num_tokens,
                                const TensorView& req_pool_indices, const TensorView& seq_lens,
-                               ForwardMode mode, Stream stream) {
+                               ForwardMode mode, const TensorView& extend_seq_lens, Stream stream) {
   MLA_CHECK(graph_max_bs > 0, op, ": no CUDA-graph buffers; call init_cuda_graph_state first");
   MLA_CHECK(mode == ForwardMode::kIdle || is_decode_family(mode), op,
             ": mode must be DECODE, TARGET_VERIFY, DRAFT_EXTEND or IDLE (EXTEND is planned "
             "eagerly), got ", forward_mode_name(mode));
   MLA_CHECK(bs >= 0 && bs <= graph_max_bs, op, ": bs must be in [0, max_bs = ", graph_max_bs,
             "], got ", bs);
+  const bool draft_extend = mode == ForwardMode::kDraftExtend;
+  MLA_CHECK(extend_seq_lens.empty() || draft_extend, op,
+            ": extend_seq_lens is for DRAFT_EXTEND graphs, got it with ", forward_mode_name(mode));
   planned = false;
   Plan p;
   p.mode = mode;
@@ -475,11 +478,36 @@ void Backend::Impl::plan_fixed(const char* op, int bs, int64_t num_tokens,
   p.max_kv_len = max_context_len;
   p.kv_lens = detail::int32_view(graph_kv_lens, {bs}, config.device);
   p.block_table = detail::int32_view(graph_block_table, {bs, graph_max_blocks}, config.device);
+  if (draft_extend) {
+    // A DRAFT_EXTEND graph runs bs x num_draft_tokens query rows whatever each replay accepted:
+    // the replay's queries per request (extend_seq_lens, each at most num_draft_tokens) are
+    // packed at the front, and the rows past their total come out 0 / -inf (run_absorbed).
+    // Without extend_seq_lens every request has num_draft_tokens. Both ways the graph reads the
+    // same offsets buffer, so one captured either way replays the other.
+    p.cu_q_lens = detail::int32_view(graph_cu_q_lens, {int64_t(bs) + 1}, config.device);
+    p.q_len = 1;
+  }
   if (bs > 0) {
     detail::check_index_vector(op, "req_pool_indices", req_pool_indices, bs, config.device);
     detail::check_index_vector(op, "seq_lens", seq_lens, bs, config.device);
     detail::lengths_to_int32(op, "seq_lens", detail::first_rows(seq_lens, bs), seq_len_offset,
                              p.kv_lens, stream);
+    if (draft_extend && !extend_seq_lens.empty()) {
+      detail::check_index_vector(op, "extend_seq_lens", extend_seq_lens, bs, config.device);
+      detail::prefix_sum_int32(op, "extend_seq_lens", detail::first_rows(extend_seq_lens, bs),
+                               p.cu_q_lens, stream);
+      if (config.device.type == DeviceType::kCPU) {
+        // Readable here: name the count past the bound (on CUDA: BackendConfig::check_metadata).
+        const int32_t* cu = static_cast<const int32_t*>(p.cu_q_lens.data);
+        for (int b = 0; b < bs; ++b)
+          MLA_CHECK(cu[b + 1] - cu[b] <= p.max_q_len, op, ": extend_seq_lens[", b, "] = ",
+                    cu[b + 1] - cu[b], " is more than the graph's queries per request, ",
+                    p.max_q_len, " (BackendConfig::num_draft_tokens)");
+      }
+    } else if (draft_extend) {
+      detail::copy_on_device(graph_cu_q_lens, graph_equal_cu_q_lens,
+                             (size_t(bs) + 1) * sizeof(int32_t), config.device, stream);
+    }
     detail::fill_block_table(config.req_to_token, detail::first_rows(req_pool_indices, bs),
                              p.kv_lens, config.page_size, p.block_table, stream);
     attach_schedule(op, p, graph_schedule, false, stream);
@@ -727,7 +755,8 @@ void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, cons
   decode.deterministic = config.deterministic;
   // DRAFT_EXTEND planned from device lengths alone takes its query rows from the queries: rows
   // past the lengths' total (a padded batch) come out as rows that see no key.
-  decode.zero_padding_rows = p.num_tokens < 0 && !p.cu_q_lens.empty();
+  // So do a DRAFT_EXTEND graph's rows past the replay's queries (plan_fixed).
+  decode.zero_padding_rows = !p.cu_q_lens.empty() && (p.num_tokens < 0 || p.fixed_buffers);
   mla_decode(decode, stream);
 }
 
@@ -874,6 +903,15 @@ void Backend::init_cuda_graph_state(int max_bs, int64_t max_num_tokens) {
   detail::Int32Layout layout;
   const int64_t at_kv_lens = layout.add(max_bs);
   const int64_t at_block_table = layout.add(int64_t(max_bs) * width);
+  const int k = s.config.num_draft_tokens;  // DRAFT_EXTEND graphs need it (fixed_q_len)
+  const int64_t at_cu_q = k > 0 ? layout.add(int64_t(max_bs) + 1) : -1;
+  const int64_t at_equal_cu_q = k > 0 ? layout.add(int64_t(max_bs) + 1) : -1;
+  std::vector<int32_t> equal_cu_q;
+  if (k > 0) {
+    MLA_CHECK(int64_t(max_bs) * k <= INT32_MAX, op, ": max_bs ", max_bs, " x num_draft_tokens ", k,
+              " query tokens do not fit int32 offsets");
+    for (int b = 0; b <= max_bs; ++b) equal_cu_q.push_back(b * k);
+  }
   // Everything allocated before the graph state changes: an allocation that fails leaves the
   // buffers and their sizes as they were (a failed schedule leaves its slot empty, which a
   // capture then reports).
@@ -883,6 +921,11 @@ void Backend::init_cuda_graph_state(int max_bs, int64_t max_num_tokens) {
   auto* base = static_cast<int32_t*>(s.graph_buffer.data());
   s.graph_kv_lens = base + at_kv_lens;
   s.graph_block_table = base + at_block_table;
+  s.graph_cu_q_lens = k > 0 ? base + at_cu_q : nullptr;
+  s.graph_equal_cu_q_lens = k > 0 ? base + at_equal_cu_q : nullptr;
+  if (k > 0)
+    detail::copy_to_device(s.graph_equal_cu_q_lens, equal_cu_q.data(),
+                           equal_cu_q.size() * sizeof(int32_t), s.config.device, nullptr);
   s.graph_max_bs = max_bs;
   s.graph_max_num_tokens = max_num_tokens;
   s.graph_max_blocks = width;
@@ -891,18 +934,20 @@ void Backend::init_cuda_graph_state(int max_bs, int64_t max_num_tokens) {
 void Backend::init_forward_metadata_capture_cuda_graph(int bs, int64_t num_tokens,
                                                        const TensorView& req_pool_indices,
                                                        const TensorView& seq_lens, ForwardMode mode,
-                                                       Stream stream) {
+                                                       Stream stream,
+                                                       const TensorView& extend_seq_lens) {
   MLA_CHECK(num_tokens >= 0, "init_forward_metadata_capture_cuda_graph: num_tokens must be >= 0, got ",
             num_tokens);
   impl_->plan_fixed("init_forward_metadata_capture_cuda_graph", bs, num_tokens, req_pool_indices,
-                    seq_lens, mode, stream);
+                    seq_lens, mode, extend_seq_lens, stream);
 }
 
 void Backend::init_forward_metadata_replay_cuda_graph(int bs, const TensorView& req_pool_indices,
                                                       const TensorView& seq_lens, ForwardMode mode,
-                                                      Stream stream) {
+                                                      Stream stream,
+                                                      const TensorView& extend_seq_lens) {
   impl_->plan_fixed("init_forward_metadata_replay_cuda_graph", bs, -1, req_pool_indices, seq_lens,
-                    mode, stream);
+                    mode, extend_seq_lens, stream);
 }
 
 void Backend::save_latent_kv(const ForwardBatch& batch, const LayerParams& layer,

@@ -94,9 +94,13 @@ struct Backend::Impl {
   int graph_max_bs = 0;
   int64_t graph_max_num_tokens = 0;
   int graph_max_blocks = 0;
-  detail::Buffer graph_buffer;        // kv_lens [max_bs] | block_table [max_bs, graph_max_blocks]
+  // kv_lens [max_bs] | block_table [max_bs, graph_max_blocks], and with num_draft_tokens:
+  // cu_q_lens [max_bs + 1] | equal_cu_q_lens [max_bs + 1] (b * num_draft_tokens)
+  detail::Buffer graph_buffer;
   int32_t* graph_kv_lens = nullptr;
   int32_t* graph_block_table = nullptr;
+  int32_t* graph_cu_q_lens = nullptr;        // DRAFT_EXTEND graphs' query offsets
+  int32_t* graph_equal_cu_q_lens = nullptr;  // the offsets of num_draft_tokens queries a request
   // Split-KV schedules (CUDA): one for eager plans of the decode family, one for the graph
   // buffers, so that an eager re-plan never moves memory a captured graph reads, and one for
   // EXTEND's absorbed path, so that the decode family's is not grown to the largest batch times
@@ -110,7 +114,8 @@ struct Backend::Impl {
   void plan_decode_family(const ForwardBatch& batch, Stream stream);
   void plan_extend(const ForwardBatch& batch, Stream stream);
   void plan_fixed(const char* op, int bs, int64_t num_tokens, const TensorView& req_pool_indices,
-                  const TensorView& seq_lens, ForwardMode mode, Stream stream);
+                  const TensorView& seq_lens, ForwardMode mode, const TensorView& extend_seq_lens,
+                  Stream stream);
   // The plan for a forward call: checks mode and batch size, re-plans when the batch grew.
   const Plan& plan_for(const char* op, const ForwardBatch& batch, Stream stream);
   // The start of a forward call: nullptr for an IDLE batch (nothing to run); otherwise checks

@@ -704,6 +704,132 @@ TEST(BackendGraph, ReplayWithNewBatchesEqualsEagerPlanning) {
   }
 }
 
+// A DRAFT_EXTEND graph captured at num_draft_tokens rows a request, replayed with the accepted
+// tokens of each request packed at the front (extend_seq_lens): the accepted rows match the
+// naive and an eager plan of the exact batch, the rows past them come out 0 / -inf (they hold
+// NaN before, and so do the padding queries). A replay without extend_seq_lens runs every
+// request's num_draft_tokens rows in the same buffers.
+TEST(BackendGraph, DraftExtendReplaysPackTheAcceptedQueries) {
+  std::mt19937_64 rng(77);
+  const int heads = 8, k = 3, max_bs = 4;
+  Pool pool(16, 64, 256, 9, DType::kFP16, 56);
+  BackendConfig config = make_config(pool, heads);
+  config.num_draft_tokens = k;
+  Backend graph(config), eager(config);
+  graph.init_cuda_graph_state(max_bs, int64_t(max_bs) * k);
+  const LayerParams layer = make_layer(pool);
+  HostTensor q_lens(DType::kInt64, {max_bs});
+  for (int b = 0; b < max_bs; ++b) q_lens.i64(b) = k;
+  {
+    AbsorbedProblem capture = make_absorbed_problem(
+        pool, {{0, 5, k}, {1, 9, k}, {2, 1, k}, {3, 40, k}}, heads, DType::kFP16, rng);
+    graph.init_forward_metadata_capture_cuda_graph(max_bs, capture.num_tokens,
+                                                   capture.req_pool_indices.view(),
+                                                   capture.seq_lens.view(), ForwardMode::kDraftExtend,
+                                                   nullptr, q_lens.view());
+    EXPECT_FALSE(graph.plan().cu_q_lens.empty());
+    EXPECT_EQ(graph.plan().max_q_len, k);
+    graph.forward_decode(capture.batch(ForwardMode::kDraftExtend, false), layer, capture.args());
+    expect_matches(capture, naive_absorbed(pool, capture), "capture");
+  }
+  const void* captured_cu_q_lens = graph.plan().cu_q_lens.data;
+
+  struct Replay {
+    std::vector<Request> requests;
+    bool with_lengths;
+  };
+  const Replay replays[] = {
+      {{{4, 30, 1}, {5, 0, 3}, {6, 17, 0}}, true},      // a request with none accepted
+      {{{7, 63, 2}, {8, 100, 2}, {1, 2, 1}, {2, 64, 3}}, true},
+      {{{3, 11, 0}, {0, 20, 0}}, true},                 // every row is padding
+      {{{4, 12, k}, {5, 33, k}}, false},                // no lengths: num_draft_tokens each
+  };
+  for (const Replay& replay : replays) {
+    AbsorbedProblem p = make_absorbed_problem(pool, replay.requests, heads, DType::kFP16, rng);
+    const int bs = int(replay.requests.size());
+    const int64_t rows = int64_t(bs) * k, accepted = p.num_tokens;
+    SCOPED_TRACE("bs " + std::to_string(bs) + ", " + std::to_string(accepted) + " accepted rows");
+    // The new tokens' latents go in first (the graph's forward does not save them here: the
+    // padding rows have no cache slots).
+    graph.save_latent_kv(p.batch(ForwardMode::kDraftExtend), layer, p.k_nope.view(), p.k_pe.view());
+    // The graph's static buffers: bs x k query rows, the accepted ones first, NaN after.
+    HostTensor q = nan_tensor(DType::kFP16, {rows, heads, kLatentDim});
+    for (int64_t i = 0; i < accepted * heads * kLatentDim; ++i) q.set(i, p.q.get(i));
+    HostTensor out = nan_tensor(DType::kFP32, {rows, heads, kKvLoraRank});
+    HostTensor lse = nan_tensor(DType::kFP32, {rows, heads});
+    HostTensor lens(DType::kInt32, {max_bs});
+    for (int b = 0; b < max_bs; ++b) lens.i32(b) = b < bs ? replay.requests[size_t(b)].q_len : 5;
+    graph.init_forward_metadata_replay_cuda_graph(bs, p.req_pool_indices.view(), p.seq_lens.view(),
+                                                  ForwardMode::kDraftExtend, nullptr,
+                                                  replay.with_lengths ? lens.view() : TensorView{});
+    EXPECT_EQ(graph.plan().cu_q_lens.data, captured_cu_q_lens);
+    EXPECT_EQ(graph.plan().num_tokens, rows);
+    ForwardBatch batch = p.batch(ForwardMode::kDraftExtend, false);
+    batch.extend_seq_lens = {};  // the graph's offsets come from the replay call
+    AbsorbedAttentionArgs args = p.args(false);
+    args.q = q.view();
+    args.out = out.view();
+    args.lse = lse.view();
+    graph.forward_decode(batch, layer, args);
+
+    const std::vector<float> o = out.to_float(), l = lse.to_float();
+    for (int64_t i = accepted * heads * kKvLoraRank; i < rows * heads * kKvLoraRank; ++i)
+      ASSERT_EQ(o[size_t(i)], 0.0f) << "padding output element " << i;
+    for (int64_t i = accepted * heads; i < rows * heads; ++i)
+      ASSERT_EQ(l[size_t(i)], -std::numeric_limits<float>::infinity()) << "padding lse " << i;
+    for (int64_t i = 0; i < accepted * heads * kKvLoraRank; ++i) p.out.set(i, o[size_t(i)]);
+    for (int64_t i = 0; i < accepted * heads; ++i) p.lse.set(i, l[size_t(i)]);
+    expect_matches(p, naive_absorbed(pool, p), "replay vs naive");
+
+    // The exact batch planned eagerly gives the same rows.
+    p.poison_outputs();
+    const ForwardBatch exact = p.batch(ForwardMode::kDraftExtend);
+    eager.init_forward_metadata(exact);
+    eager.forward_decode(exact, layer, p.args(false));
+    EXPECT_TRUE(all_close(rows_of(p.out, 0, accepted), to_double(rows_of(out, 0, accepted)), 0, 0));
+    EXPECT_TRUE(all_close(rows_of(p.lse, 0, accepted), to_double(rows_of(lse, 0, accepted)), 0, 0));
+  }
+}
+
+TEST(BackendGraph, DraftExtendLengthsAreChecked) {
+  std::mt19937_64 rng(78);
+  const int heads = 4, k = 2;
+  Pool pool(16, 16, 128, 3, DType::kFP16, 57);
+  BackendConfig config = make_config(pool, heads);
+  config.num_draft_tokens = k;
+  Backend graph(config);
+  graph.init_cuda_graph_state(2, 4);
+  AbsorbedProblem p = make_absorbed_problem(pool, {{0, 5, 1}, {1, 9, 1}}, heads, DType::kFP16, rng);
+  HostTensor over = test::int32_tensor({1, 3}, {2});
+  EXPECT_TRUE(throws_error(
+      [&] {
+        graph.init_forward_metadata_replay_cuda_graph(2, p.req_pool_indices.view(), p.seq_lens.view(),
+                                                      ForwardMode::kDraftExtend, nullptr, over.view());
+      },
+      {"extend_seq_lens[1] = 3", "queries per request, 2"}));
+  EXPECT_FALSE(graph.has_plan());
+  HostTensor negative = test::int32_tensor({-1, 1}, {2});
+  EXPECT_TRUE(throws_error(
+      [&] {
+        graph.init_forward_metadata_replay_cuda_graph(2, p.req_pool_indices.view(), p.seq_lens.view(),
+                                                      ForwardMode::kDraftExtend, nullptr, negative.view());
+      },
+      {"extend_seq_lens[0] = -1"}));
+  HostTensor one = test::int32_tensor({1}, {1});
+  EXPECT_TRUE(throws_error(
+      [&] {
+        graph.init_forward_metadata_replay_cuda_graph(2, p.req_pool_indices.view(), p.seq_lens.view(),
+                                                      ForwardMode::kDraftExtend, nullptr, one.view());
+      },
+      {"extend_seq_lens"}));
+  EXPECT_TRUE(throws_error(
+      [&] {
+        graph.init_forward_metadata_capture_cuda_graph(2, 2, p.req_pool_indices.view(), p.seq_lens.view(),
+                                                       ForwardMode::kDecode, nullptr, p.extend_seq_lens.view());
+      },
+      {"extend_seq_lens is for DRAFT_EXTEND graphs", "DECODE"}));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Multi-step drafting
 

@@ -1363,11 +1363,12 @@ TEST(GpuBackend, IdleAndEmptyBatchesDoNothing) {
 struct StaticBuffers {
   int max_bs;
   int64_t max_tokens;
-  DeviceCopy rpi, seq, loc, q, k_nope, k_pe, out, lse;
+  DeviceCopy rpi, seq, accepted, loc, q, k_nope, k_pe, out, lse;
 
   StaticBuffers(int bs, int64_t tokens, int heads)
       : max_bs(bs), max_tokens(tokens), rpi(HostTensor(DType::kInt64, {bs})),
-        seq(HostTensor(DType::kInt64, {bs})), loc(HostTensor(DType::kInt64, {tokens})),
+        seq(HostTensor(DType::kInt64, {bs})), accepted(HostTensor(DType::kInt64, {bs})),
+        loc(HostTensor(DType::kInt64, {tokens})),
         q(HostTensor(DType::kBF16, {tokens, heads, kLatentDim})),
         k_nope(HostTensor(DType::kBF16, {tokens, kKvLoraRank})),
         k_pe(HostTensor(DType::kBF16, {tokens, kRopeDim})),
@@ -1376,15 +1377,20 @@ struct StaticBuffers {
 
   // The batch's data at the start of the buffers; index entries past it hold values that would
   // be out of range if anything read them.
+  // DRAFT_EXTEND's queries per request (a graph's accepted tokens) go to `accepted`.
   void load(AbsorbedBatch& b, int num_slots, int max_context_len) {
-    HostTensor r(DType::kInt64, {max_bs}), s(DType::kInt64, {max_bs}), l(DType::kInt64, {max_tokens});
+    HostTensor r(DType::kInt64, {max_bs}), s(DType::kInt64, {max_bs}), a(DType::kInt64, {max_bs}),
+        l(DType::kInt64, {max_tokens});
     for (int i = 0; i < max_bs; ++i) {
-      r.i64(i) = i < int(b.requests.size()) ? b.req_pool_indices.i64(i) : num_slots + 5;
-      s.i64(i) = i < int(b.requests.size()) ? b.seq_lens.i64(i) : max_context_len + 7;
+      const bool in = i < int(b.requests.size());
+      r.i64(i) = in ? b.req_pool_indices.i64(i) : num_slots + 5;
+      s.i64(i) = in ? b.seq_lens.i64(i) : max_context_len + 7;
+      a.i64(i) = in ? b.requests[size_t(i)].q_len : max_tokens + 3;
     }
     for (int64_t i = 0; i < max_tokens; ++i) l.i64(i) = i < b.num_tokens ? b.out_cache_loc.i64(i) : -1;
     rpi.upload(r);
     seq.upload(s);
+    accepted.upload(a);
     loc.upload(l);
     q.upload_prefix(b.q);
     k_nope.upload_prefix(b.k_nope);
@@ -1463,9 +1469,12 @@ std::vector<Request> random_requests(int bs, int first_slot, int q_len, int long
 // Capture at batch sizes 1, 8, 32; replays with new lengths and new pages written into the same
 // buffers, two ways: metadata replayed eagerly before launching a graph of forward_decode (the
 // engine's way), and metadata replay + forward_decode captured in one graph. Both give the same
-// bits; they equal an eager run of the same batch bit for bit (DECODE, TARGET_VERIFY) and the
-// float64 naive, and neither allocates. DRAFT_EXTEND graphs run num_draft_tokens rows per
-// request without cu_q_lens, while its eager plan has them: equal within the tolerances.
+// bits; they equal an eager run of the same batch bit for bit and the float64 naive, and neither
+// allocates. DRAFT_EXTEND graphs run num_draft_tokens rows a request: the first round with that
+// many queries each (the eager replay without extend_seq_lens), the next ones with 0..3 accepted
+// tokens each packed at the front (extend_seq_lens), whose padding rows must come out 0 / -inf
+// from NaN; their accepted rows equal an eager run of the exact batch bit for bit in the
+// deterministic mode (64-row tiles whatever max_q_len), within the tolerances otherwise.
 TEST(GpuBackendGraph, DecodeAndTargetVerifyReplaysEqualEagerRuns) {
   MLA_REQUIRE_GPU();
   for (ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kTargetVerify, ForwardMode::kDraftExtend}) {
@@ -1508,17 +1517,27 @@ TEST(GpuBackendGraph, DecodeAndTargetVerifyReplaysEqualEagerRuns) {
           buffers.seq.upload(s);
           buffers.loc.upload(l);
         }
+        const bool draft = mode == ForwardMode::kDraftExtend;
+        if (draft) {
+          HostTensor a(DType::kInt64, {max_bs});
+          for (int i = 0; i < max_bs; ++i) a.i64(i) = q_len;
+          buffers.accepted.upload(a);
+        }
+        const TensorView accepted = draft ? buffers.accepted.view() : TensorView{};
         graph.init_forward_metadata_capture_cuda_graph(bs, tokens, buffers.rpi.view(), buffers.seq.view(),
-                                                       mode, stream.get());
+                                                       mode, stream.get(), accepted);
         const Plan captured = graph.plan();
         EXPECT_TRUE(captured.fixed_buffers);
         EXPECT_EQ(captured.max_blocks, padded_block_count(max_len, page_size));
-        EXPECT_EQ(captured.q_len, q_len);
+        EXPECT_EQ(captured.q_len, draft ? 1 : q_len);
+        EXPECT_EQ(captured.max_q_len, q_len);
+        EXPECT_EQ(captured.cu_q_lens.empty(), !draft);
         cudaGraphExec_t forward_graph = capture_graph(raw(stream), [&](Stream s) {
           graph.forward_decode(buffers.batch(mode, bs), layer, buffers.args(tokens), s);
         });
         cudaGraphExec_t full_graph = capture_graph(raw(stream), [&](Stream s) {
-          graph.init_forward_metadata_replay_cuda_graph(bs, buffers.rpi.view(), buffers.seq.view(), mode, s);
+          graph.init_forward_metadata_replay_cuda_graph(bs, buffers.rpi.view(), buffers.seq.view(), mode, s,
+                                                        accepted);
           graph.forward_decode(buffers.batch(mode, bs), layer, buffers.args(tokens), s);
         });
         ASSERT_NE(forward_graph, nullptr);
@@ -1535,28 +1554,45 @@ TEST(GpuBackendGraph, DecodeAndTargetVerifyReplaysEqualEagerRuns) {
           const int first_slot = 1 + (round_index % 2) * max_bs;
           for (int s = first_slot; s < first_slot + max_bs; ++s) pool.release(s);
           const int long_len = round == 2 ? 600 : 200 + 50 * round;
-          AbsorbedBatch b = make_absorbed_batch(pool, mode, random_requests(bs, first_slot, q_len, long_len, rng),
-                                                heads, DType::kInt64, rng, true, DType::kBF16);
+          std::vector<Request> requests = random_requests(bs, first_slot, q_len, long_len, rng);
+          const bool packed = draft && round > 0;  // accepted tokens, packed
+          if (packed)
+            for (Request& r : requests) r.q_len = int(rng() % uint64_t(q_len + 1));
+          AbsorbedBatch b = make_absorbed_batch(pool, mode, requests, heads, DType::kInt64, rng, true,
+                                                DType::kBF16);
           pool.upload();
           buffers.load(b, num_slots, max_len);
           mirror_save(pool, b.k_nope, b.k_pe, b.out_cache_loc);
+          const int64_t used = b.num_tokens;  // the rows of the accepted queries
 
           const size_t free_before = free_device_memory();
           // (a) metadata replayed eagerly, then the graph of forward_decode.
           buffers.poison(raw(stream));
           graph.init_forward_metadata_replay_cuda_graph(bs, buffers.rpi.view(), buffers.seq.view(), mode,
-                                                        stream.get());
+                                                        stream.get(), packed ? accepted : TensorView{});
           EXPECT_EQ(graph.plan().block_table.data, captured.block_table.data);
           EXPECT_EQ(graph.plan().kv_lens.data, captured.kv_lens.data);
           EXPECT_EQ(graph.plan().schedule, captured.schedule);
           MLA_TEST_CUDA(cudaGraphLaunch(forward_graph, raw(stream)));
           MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
-          const HostTensor out_a = buffers.out.download(tokens), lse_a = buffers.lse.download(tokens);
+          const HostTensor out_a = buffers.out.download(used), lse_a = buffers.lse.download(used);
+          const auto expect_padding_rows_empty = [&](const char* what) {
+            const std::vector<float> o = buffers.out.download(tokens).to_float();
+            const std::vector<float> l = buffers.lse.download(tokens).to_float();
+            int64_t bad = 0;
+            for (int64_t i = used * heads * kKvLoraRank; i < tokens * heads * kKvLoraRank; ++i)
+              bad += o[size_t(i)] != 0.0f;
+            for (int64_t i = used * heads; i < tokens * heads; ++i)
+              bad += l[size_t(i)] != -std::numeric_limits<float>::infinity();
+            EXPECT_EQ(bad, 0) << what << ": padding rows past the " << used << " accepted ones";
+          };
+          expect_padding_rows_empty("forward graph");
           // (b) metadata replay and forward in one graph.
           buffers.poison(raw(stream));
           MLA_TEST_CUDA(cudaGraphLaunch(full_graph, raw(stream)));
           MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
-          const HostTensor out_b = buffers.out.download(tokens), lse_b = buffers.lse.download(tokens);
+          const HostTensor out_b = buffers.out.download(used), lse_b = buffers.lse.download(used);
+          expect_padding_rows_empty("full graph");
           EXPECT_EQ(free_device_memory(), free_before) << "device memory was allocated during replay";
           EXPECT_TRUE(bitwise_equal(pool.d_cache.download(), pool.cache)) << "cache after the graph saves";
 
@@ -1564,15 +1600,15 @@ TEST(GpuBackendGraph, DecodeAndTargetVerifyReplaysEqualEagerRuns) {
           buffers.poison(raw(stream));
           ForwardBatch eager_batch = buffers.batch(mode, bs);
           eager_batch.seq_lens_cpu = b.seq_lens_cpu;
-          if (mode == ForwardMode::kDraftExtend) eager_batch.extend_seq_lens_cpu = b.q_lens;
+          if (draft) eager_batch.extend_seq_lens_cpu = b.q_lens;
           eager.init_forward_metadata(eager_batch, stream.get());
-          eager.forward_decode(eager_batch, layer, buffers.args(tokens), stream.get());
+          eager.forward_decode(eager_batch, layer, buffers.args(used), stream.get());
           MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
-          const HostTensor out_e = buffers.out.download(tokens), lse_e = buffers.lse.download(tokens);
+          const HostTensor out_e = buffers.out.download(used), lse_e = buffers.lse.download(used);
 
           EXPECT_TRUE(bitwise_equal(out_a, out_b)) << "forward graph vs full graph: out";
           EXPECT_TRUE(bitwise_equal(lse_a, lse_b)) << "forward graph vs full graph: lse";
-          if (mode == ForwardMode::kDraftExtend) {
+          if (packed && split_keys == 0) {  // the eager plan's row tiles follow its max_q_len
             expect_close(out_a, lse_a, out_e, lse_e, "graph replay vs eager run");
           } else {
             EXPECT_TRUE(bitwise_equal(out_a, out_e)) << "graph replay vs eager: out";
