@@ -9,8 +9,7 @@
 // Grid: a fixed kCtasPerPart x num_parts CTAs (one resident wave; graph-capturable, since the
 // number of split units is only known on the device), walking the jobs with a grid stride. A
 // job is kWarps / W rows, W warps per row, where W (1, 2, 4 or 8) follows the plan's largest
-// piece count (1 for a deterministic plan, whose rows must add their pieces in one order whatever
-// the batch): warp j of a row sums pieces j, j + W, ... (4 pieces per step, so 16 independent
+// piece count: warp j of a row sums pieces j, j + W, ... (4 pieces per step, so 16 independent
 // 16-byte loads per lane are in flight), each lane owning 16 of the 512 columns, and the W
 // partial sums meet in shared memory, where warp j sums and stores column groups j, j + W, ...
 // The row's LSE takes one pass over the pieces' LSEs (a lane's four a round trip: their max,
@@ -32,7 +31,11 @@
 // the decode kernel ends), two CTAs an SM at up to 128 registers (126 at four CTAs an SM had
 // left half the grid waiting for a second wave); v6 the row's LSE as a max, then independent
 // exps (was a chain of running merges: four dependent levels instead of ~nine; batch 1 -1 to
-// -3 %, code 23.6 -> 20.7 KB).
+// -3 %, code 23.6 -> 20.7 KB); v7 a deterministic plan's rows take W warps too, in groups of four
+// consecutive pieces whose sums are added in key order (kOrdered, its own instantiation: the same
+// bits for any W; they took one warp, 16 round trips for a batch-1 row of 64 pieces). On an H100
+// (deterministic, split_keys 256, batch 1): 128 h kv 16k 38.9 -> 29.6 us, 16 h kv 4k 22.2 ->
+// 20.4 us. Every plan taking that order cost the balanced batch-1 rows 2-7 %, so they keep theirs.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -48,22 +51,6 @@
 
 namespace mla::cuda::decode {
 namespace {
-
-// Build-time knob (CMake MLA_DECODE_KNOBS), off by default until a device call has measured it:
-// MLA_COMBINE_TWO_STEPS=1 keeps, for 16-bit pieces, a warp's next step of pieces in flight
-// while it adds the current one (the first two loaded with the LSEs), so that a warp of two
-// steps (batch 1: 64 pieces on a row's 8 warps) waits for one round trip after the row's LSE,
-// not two. fp32 pieces keep one step: two would need 136 registers of the 128.
-#ifndef MLA_COMBINE_TWO_STEPS
-#define MLA_COMBINE_TWO_STEPS 0
-#endif
-// MLA_COMBINE_ORDERED=1: a row's pieces are added in groups of four consecutive pieces, the
-// groups' sums in key order, whatever the warps a row (w): the same bits for any w, so that a
-// deterministic plan's rows can take w warps like a balanced plan's (they take one otherwise,
-// and a batch-1 row of 64 pieces waits for 16 round trips). Every plan's combine then runs it.
-#ifndef MLA_COMBINE_ORDERED
-#define MLA_COMBINE_ORDERED 0
-#endif
 
 constexpr int kWarps = 8;
 constexpr int kThreadsPerCta = kWarps * 32;
@@ -263,13 +250,16 @@ __device__ __forceinline__ void store_out4(const DecodeParams& p, void* row_base
 }
 
 // Partial: the pieces' stored dtype, the output's (partial_elem_bytes).
-template <typename Partial>
+// kOrdered (a deterministic plan's, ScheduleHeader::split_keys > 0): a row's pieces are added in
+// groups of four consecutive pieces, the groups' sums in key order, whatever the warps a row
+// (w): the same bits for any w, so that the row's order of fp32 additions depends on its piece
+// count alone while it takes w warps like a balanced plan's row. Otherwise warp j of a row adds
+// pieces j, j + w, ... four a step, and the warps' sums meet at the end (an order that follows w,
+// which follows the plan's largest piece count: one step less than kOrdered's per-group sums).
+template <typename Partial, bool kOrdered>
 __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     mla_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ float4 partial[kWarps][32][4];  // per warp: its lanes' 16 columns
-#if MLA_COMBINE_ORDERED
-  __shared__ float4 running[32][4];  // a row of several rounds: its sum of the rounds before
-#endif
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   // A trace build (trace.cuh): thread 0 of the first CTA prints the decode kernel's records (then
   // empties them), its own entry time (ns), its wait's return and its end.
@@ -303,13 +293,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
   }
   const int block_m = header.block_m, lanes = header.lanes, num_slots = header.num_slots;
   const int rows = header.num_split_units * lanes * block_m;
-#if MLA_COMBINE_ORDERED
-  const int w = warps_per_row(header.max_pieces);  // the order of the additions does not follow it
-#else
-  // A deterministic plan's rows take one warp whatever their pieces, so that a row's pieces are
-  // always added in the same order (key order, four a step).
-  const int w = header.split_keys > 0 ? 1 : warps_per_row(header.max_pieces);
-#endif
+  // kOrdered: the order of the additions does not follow w. Otherwise a deterministic plan's
+  // rows (launched with kOrdered; this is a backstop) take one warp whatever their pieces.
+  const int w = kOrdered || header.split_keys == 0 ? warps_per_row(header.max_pieces) : 1;
   const int rows_per_job = kWarps / w;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int j = warp % w;  // this warp's place among its row's warps
@@ -340,134 +326,126 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
     const bool valid = jr.valid;
     const RequestGeometry& g = jr.g;
     const int r = jr.r, row_local = jr.row_local;
-#if MLA_COMBINE_ORDERED
-    // Groups of kUnroll consecutive pieces, each summed on its own (add_step on zeros), then the
-    // groups' sums added in key order: the same fp32 operations whatever w. Warp j sums groups
-    // j, j + w, ..., one a round; a round's w sums meet in shared memory, where warp j adds
-    // column groups j, j + w, ... to the row's running sum. Rows of more than one round have
-    // w = kWarps (warps_per_row), one row a job, so every warp of the CTA runs the same rounds.
-    const int n = valid ? jr.unit.num_pieces : 0;
-    const int groups = (n + kUnroll - 1) / kUnroll;
-    const int rounds = w == kWarps ? (groups + w - 1) / w : 1;
-    float lse = -INFINITY;
-    PieceStep<Partial> st;
-    const float* lse_k = nullptr;
-    const typename Quad<Partial>::Raw* base = nullptr;
-    if (valid) {
-      lse_k = p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local;
-      base = reinterpret_cast<const typename Quad<Partial>::Raw*>(
-          static_cast<const Partial*>(p.schedule.partial_out) +
-          (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
-      load_step(base, lse_k, n, kUnroll * j, 1, lane, st);  // in flight with the LSE loads
-      float lse_max, lse_sum;
-      row_lse(lse_k, n, lane, lse_max, lse_sum);
-      if (lse_max != -INFINITY) lse = lse_max + logf(lse_sum);
-      MLA_COMBINE_STAMP(0);
-    }
-    const int first = warp - j;
+    if constexpr (kOrdered) {
+      // Groups of kUnroll consecutive pieces, each summed on its own (add_step on zeros), then the
+      // groups' sums added in key order: the same fp32 operations whatever w. Warp j sums groups
+      // j, j + w, ..., one a round; a round's w sums meet in shared memory, where warp j adds
+      // column groups j, j + w, ... to the row's running sum. Rows of more than one round have
+      // w = kWarps (warps_per_row), one row a job, so every warp of the CTA runs the same rounds.
+      __shared__ float4 running[32][4];  // a row of several rounds: its sum of the rounds before
+      const int n = valid ? jr.unit.num_pieces : 0;
+      const int groups = (n + kUnroll - 1) / kUnroll;
+      const int rounds = w == kWarps ? (groups + w - 1) / w : 1;
+      float lse = -INFINITY;
+      PieceStep<Partial> st;
+      const float* lse_k = nullptr;
+      const typename Quad<Partial>::Raw* base = nullptr;
+      if (valid) {
+        lse_k = p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local;
+        base = reinterpret_cast<const typename Quad<Partial>::Raw*>(
+            static_cast<const Partial*>(p.schedule.partial_out) +
+            (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
+        load_step(base, lse_k, n, kUnroll * j, 1, lane, st);  // in flight with the LSE loads
+        float lse_max, lse_sum;
+        row_lse(lse_k, n, lane, lse_max, lse_sum);
+        if (lse_max != -INFINITY) lse = lse_max + logf(lse_sum);
+        MLA_COMBINE_STAMP(0);
+      }
+      const int first = warp - j;
 #pragma unroll 1
-    for (int round = 0; round < rounds; ++round) {
+      for (int round = 0; round < rounds; ++round) {
+        float4 acc[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const int group = round * w + j;
+        if (lse != -INFINITY && group < groups) {
+          add_step(st, lse, acc);
+          if (group + w < groups) load_step(base, lse_k, n, kUnroll * (group + w), 1, lane, st);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
+        __syncthreads();
+        if (valid) {
+          const int in_round = min(w, groups - round * w);
+          const bool last = round == rounds - 1;
+          const int64_t token = g.q_start + r / num_heads;
+          const int head = r % num_heads;
+#pragma unroll 1
+          for (int i = j; i < 4; i += w) {
+            float4 sum = partial[first][lane][i];
+            if (round > 0) {  // the running sum first: key order
+              const float4 v = sum;
+              sum = running[lane][i];
+              add4(sum, v);
+            }
+#pragma unroll 1
+            for (int other = 1; other < in_round; ++other) add4(sum, partial[first + other][lane][i]);
+            if (last)
+              store_out4(p, out_row(p, token, head), 4 * (lane + 32 * i), sum);
+            else
+              running[lane][i] = sum;
+          }
+          if (last && p.lse != nullptr && j == 0 && lane == 0)
+            p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
+        }
+        __syncthreads();  // partial[] (and running[]) are free for the next round or job
+      }
+    } else {
       float4 acc[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const int group = round * w + j;
-      if (lse != -INFINITY && group < groups) {
-        add_step(st, lse, acc);
-        if (group + w < groups) load_step(base, lse_k, n, kUnroll * (group + w), 1, lane, st);
+      float lse = -INFINITY;
+      if (valid) {
+        const int n = jr.unit.num_pieces;
+        const float* lse_k = p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local;
+        const auto* base = reinterpret_cast<const typename Quad<Partial>::Raw*>(
+            static_cast<const Partial*>(p.schedule.partial_out) +
+            (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
+        // The warp's first step of pieces, in flight together with the LSE loads below: their
+        // addresses do not depend on the row's LSE, only their weights do.
+        PieceStep<Partial> st;
+        load_step(base, lse_k, n, j, w, lane, st);
+        float lse_max, lse_sum;
+        row_lse(lse_k, n, lane, lse_max, lse_sum);
+        if (lse_max != -INFINITY) {
+          lse = lse_max + logf(lse_sum);
+          MLA_COMBINE_STAMP(0);
+#pragma unroll 1
+          for (int k = j;;) {  // the step loaded, then the next one (add_step's code emitted once)
+            add_step(st, lse, acc);
+            if (k == j) MLA_COMBINE_STAMP(1);
+            k += kUnroll * w;
+            if (k >= n) break;
+            load_step(base, lse_k, n, k, w, lane, st);
+          }
+          MLA_COMBINE_STAMP(2);
+        }
       }
+      // The row's w warps meet in shared memory; warp j then sums and stores column groups j,
+      // j + w, ... (a loop that is not unrolled: the stores are emitted once).
 #pragma unroll
       for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
       __syncthreads();
+      MLA_COMBINE_STAMP(3);
       if (valid) {
-        const int in_round = min(w, groups - round * w);
-        const bool last = round == rounds - 1;
         const int64_t token = g.q_start + r / num_heads;
         const int head = r % num_heads;
+        void* row_base = out_row(p, token, head);
+        const int first = warp - j;
 #pragma unroll 1
         for (int i = j; i < 4; i += w) {
           float4 sum = partial[first][lane][i];
-          if (round > 0) {  // the running sum first: key order
-            const float4 v = sum;
-            sum = running[lane][i];
-            add4(sum, v);
-          }
 #pragma unroll 1
-          for (int other = 1; other < in_round; ++other) add4(sum, partial[first + other][lane][i]);
-          if (last)
-            store_out4(p, out_row(p, token, head), 4 * (lane + 32 * i), sum);
-          else
-            running[lane][i] = sum;
+          for (int other = 1; other < w; ++other) add4(sum, partial[first + other][lane][i]);
+          store_out4(p, row_base, 4 * (lane + 32 * i), sum);
         }
-        if (last && p.lse != nullptr && j == 0 && lane == 0)
-          p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
+        if (p.lse != nullptr && j == 0 && lane == 0) p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
+        MLA_COMBINE_STAMP(4);
       }
-      __syncthreads();  // partial[] (and running[]) are free for the next round or job
+      __syncthreads();  // partial[] is free for the next job
     }
     jr = jr_next;
   }
-#else
-    float4 acc[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float lse = -INFINITY;
-    if (valid) {
-      const int n = jr.unit.num_pieces;
-      const float* lse_k = p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local;
-      const auto* base = reinterpret_cast<const typename Quad<Partial>::Raw*>(
-          static_cast<const Partial*>(p.schedule.partial_out) +
-          (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
-      // The warp's first step of pieces, in flight together with the LSE loads below: their
-      // addresses do not depend on the row's LSE, only their weights do.
-      constexpr bool kTwoSteps = MLA_COMBINE_TWO_STEPS && sizeof(Partial) == 2;
-      PieceStep<Partial> st, st_next;
-      load_step(base, lse_k, n, j, w, lane, st);
-      if constexpr (kTwoSteps) load_step(base, lse_k, n, j + kUnroll * w, w, lane, st_next);
-      float lse_max, lse_sum;
-      row_lse(lse_k, n, lane, lse_max, lse_sum);
-      if (lse_max != -INFINITY) {
-        lse = lse_max + logf(lse_sum);
-        MLA_COMBINE_STAMP(0);
-#pragma unroll 1
-        for (int k = j;;) {  // the step loaded, then the next one (add_step's code emitted once)
-          add_step(st, lse, acc);
-          if (k == j) MLA_COMBINE_STAMP(1);
-          k += kUnroll * w;
-          if (k >= n) break;
-          if constexpr (kTwoSteps) {  // step k is in flight: ask for the one after it
-            st = st_next;
-            load_step(base, lse_k, n, k + kUnroll * w, w, lane, st_next);
-          } else {
-            load_step(base, lse_k, n, k, w, lane, st);
-          }
-        }
-        MLA_COMBINE_STAMP(2);
-      }
-    }
-    // The row's w warps meet in shared memory; warp j then sums and stores column groups j,
-    // j + w, ... (a loop that is not unrolled: the stores are emitted once).
-#pragma unroll
-    for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
-    __syncthreads();
-    MLA_COMBINE_STAMP(3);
-    if (valid) {
-      const int64_t token = g.q_start + r / num_heads;
-      const int head = r % num_heads;
-      void* row_base = out_row(p, token, head);
-      const int first = warp - j;
-#pragma unroll 1
-      for (int i = j; i < 4; i += w) {
-        float4 sum = partial[first][lane][i];
-#pragma unroll 1
-        for (int other = 1; other < w; ++other) add4(sum, partial[first + other][lane][i]);
-        store_out4(p, row_base, 4 * (lane + 32 * i), sum);
-      }
-      if (p.lse != nullptr && j == 0 && lane == 0) p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
-      MLA_COMBINE_STAMP(4);
-    }
-    __syncthreads();  // partial[] is free for the next job
-    jr = jr_next;
-  }
-#endif
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   __syncthreads();
   if (threadIdx.x == 0 && blockIdx.x == 0) {
@@ -534,17 +512,27 @@ __global__ void __launch_bounds__(kZeroThreads) mla_decode_zero_padding_rows_ker
 
 }  // namespace
 
+namespace {
+template <typename Partial>
+void launch_combine(const DecodeParams& params, dim3 grid, cudaStream_t stream) {
+  if (params.schedule.split_keys > 0)
+    launch_dependent(mla_decode_combine_kernel<Partial, true>, grid, dim3(kThreadsPerCta), 0, stream, params);
+  else
+    launch_dependent(mla_decode_combine_kernel<Partial, false>, grid, dim3(kThreadsPerCta), 0, stream, params);
+}
+}  // namespace
+
 void launch_combine_kernel(const DecodeParams& params, cudaStream_t stream) {
   const dim3 grid(unsigned(kCtasPerPart * params.schedule.num_parts));
   switch (params.out_dtype) {
     case kOutBF16:
-      launch_dependent(mla_decode_combine_kernel<__nv_bfloat16>, grid, dim3(kThreadsPerCta), 0, stream, params);
+      launch_combine<__nv_bfloat16>(params, grid, stream);
       break;
     case kOutFP16:
-      launch_dependent(mla_decode_combine_kernel<__half>, grid, dim3(kThreadsPerCta), 0, stream, params);
+      launch_combine<__half>(params, grid, stream);
       break;
     default:
-      launch_dependent(mla_decode_combine_kernel<float>, grid, dim3(kThreadsPerCta), 0, stream, params);
+      launch_combine<float>(params, grid, stream);
       break;
   }
 }

@@ -310,6 +310,7 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
     p.schedule.partial_lse = reinterpret_cast<float*>(ws + s.partial_lse_offset);
     p.schedule.partial_out = ws + s.partial_out_offset;
     p.schedule.num_parts = s.num_parts;
+    p.schedule.split_keys = s.split_keys;
     p.plan_lanes = plan_lanes(max_q_len, num_heads, block_m, s.num_parts);
     grid = s.num_parts;
   } else {

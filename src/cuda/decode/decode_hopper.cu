@@ -53,7 +53,8 @@
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
 //   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, an item's first tiles
 //   landing before the next ones are prefetched (B 1 -2 %, but the producer's wait needs 8 more
-//   registers, taken from the consumers: kv 16k +1 to +2 %).
+//   registers, taken from the consumers: kv 16k +1 to +2 %), and the same wait in an idle thread
+//   of the producer warpgroup (H100: 128 h B 1 -3.5 %, B 128 kv 4k +1.6 %, kv 16k +2.4 %).
 #include "cuda/decode/decode_hopper.hpp"
 
 #include <cuda.h>
@@ -76,14 +77,6 @@ namespace mla::cuda::decode {
 namespace {
 
 using namespace mla::cuda::sm90;
-
-// Build-time knob (CMake MLA_DECODE_KNOBS), off by default until a device call has measured it:
-// MLA_DECODE_PREFETCHER=1 moves the 64-row kernel's L2 prefetch of a stage's next tile from the
-// producer to an idle thread of its warpgroup (run_prefetcher), which asks for an item's first
-// tiles' successors only once those tiles have landed.
-#ifndef MLA_DECODE_PREFETCHER
-#define MLA_DECODE_PREFETCHER 0
-#endif
 
 constexpr int kHopperThreads = 384;
 constexpr int kStages = 2;
@@ -233,7 +226,6 @@ __device__ __forceinline__ void issue_group(const HopperParams& hp, int request,
 }
 
 // The producer of one stage: walks the CTA's items and loads the tiles t with t % 2 == stage.
-template <bool kPrefetcher>
 __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, int begin, int end,
                              int lane_of_cta) {
   const DecodeParams& p = hp.p;
@@ -262,42 +254,9 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
       // The stage's next tile to L2, so that its load waits for L2 once the stage is released.
-      if (prefetch && !kPrefetcher)
-        for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
-          prefetch_keys_l2(p, item.request, key0 + 2 * kBlockN + sub, hp.box_rows, r.kv_end);
-      phase ^= 1;
-    }
-  }
-}
-
-// The L2 prefetch of one stage's tiles, from a thread of the producer warpgroup that has nothing
-// else to do (MLA_DECODE_PREFETCHER): it walks the producer's tiles and, where the prefetch
-// applies, asks L2 for tile t + 2 once every group of the stage is free for tile t (the phases
-// the producer waits for before issuing them), or, for an item's first tile of the stage, once
-// its last group has landed, so that at the start of a call every CTA's first tiles come before
-// any CTA's prefetches. It arrives on the stage's empty barriers once a tile, after those waits
-// (their count has one arrival more): the producer cannot reload the stage before the
-// prefetcher has passed the tile, so neither barrier runs a phase ahead of the parity it waits
-// for, and every group's arrival counts toward the phase after the one it has seen complete
-// (stage 1's R group is released by WG2, its L and PE by WG1, in no fixed order).
-__device__ void run_prefetcher(const HopperParams& hp, uint8_t* smem, int stage, int begin, int end,
-                               int lane_of_cta) {
-  const DecodeParams& p = hp.p;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full) + stage * kGroups;
-  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty) + stage * kGroups;
-  const int last = group_order(stage, kGroups - 1);  // the group the producer issues last
-  uint32_t phase = 0;
-  for (int it = begin; it < end; ++it) {
-    const WorkItem item = fetch_item(p, it, lane_of_cta);
-    const ItemRange r = item_range(p.layout, item, hp.block_m);
-    const bool prefetch = row_tiles(r.g.q_len, p.layout.num_heads, hp.block_m) > 1;
-    for (int t = stage; t < r.num_tiles; t += 2) {
-      for (int g = 0; g < kGroups; ++g) mbar_wait(&empty[g], phase ^ 1);  // tile t may load
-      if (t == stage) mbar_wait(&full[last], phase);  // an item's first tile: it has landed
-      for (int g = 0; g < kGroups; ++g) mbar_arrive(&empty[g]);
       if (prefetch)
         for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
-          prefetch_keys_l2(p, item.request, r.kv_begin + (t + 2) * kBlockN + sub, hp.box_rows, r.kv_end);
+          prefetch_keys_l2(p, item.request, key0 + 2 * kBlockN + sub, hp.box_rows, r.kv_end);
       phase ^= 1;
     }
   }
@@ -1107,7 +1066,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   // generic ST / LD (P exchange, row statistics, zeroed tails).
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const DecodeParams& p = hp.p;
-  constexpr bool kPrefetcher = MLA_DECODE_PREFETCHER && !kNarrow;  // the 64-row kernel's prefetch
 
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   if (threadIdx.x == 0) {
@@ -1123,7 +1081,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       mbar_init(&full[b], 1);
       // One arrival per warp of the releasing warpgroup; the narrow consumers' every thread
       // arrives (no lane test between their wgmma waits: ptxas would serialise them).
-      mbar_init(&empty[b], kNarrow ? 128 : kPrefetcher ? 5 : 4);
+      mbar_init(&empty[b], kNarrow ? 128 : 4);
     }
     for (int b = 0; b < kExchanges; ++b) mbar_init(&xbar[b], 128);  // every writer thread
     mbar_init_fence();
@@ -1146,9 +1104,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     setmaxnreg_dec<kNarrow ? 56 : 40>();
     if (threadIdx.x == 0 || threadIdx.x == 32) {
       if constexpr (kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer
-      run_producer<kPrefetcher>(hp, smem, threadIdx.x >> 5, begin, end, lane);
-    } else if (kPrefetcher && (threadIdx.x == 64 || threadIdx.x == 96)) {
-      run_prefetcher(hp, smem, (threadIdx.x >> 5) - 2, begin, end, lane);
+      run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
     }
   } else {
     setmaxnreg_inc<kNarrow ? 224 : 232>();

@@ -95,6 +95,7 @@ struct ScheduleView {
   void* partial_out;               // [max_slots, kMaxBlockM, 512] normalised output of each piece,
                                    // in the output's dtype (partial_elem_bytes)
   int num_parts;
+  int split_keys;                  // > 0: a deterministic schedule's (the combine's order)
 };
 
 // The batch layout, read on the device by the plan and by the decode kernels alike, so that both
