@@ -676,6 +676,41 @@ TEST(GpuBackend, DraftExtendPaddedQueriesGiveEmptyRows) {
   }
 }
 
+// Data-parallel padding grew the batch after it was planned (DESIGN §4): forward_decode re-plans
+// on the device instead of reading past the plan (the split-KV schedule grows with it), for a
+// long request that splits and in every decode-family mode, with device lengths only for the
+// grown batch; the outputs match the float64 naive.
+TEST(GpuBackend, LargerBatchThanPlannedIsReplanned) {
+  MLA_REQUIRE_GPU();
+  for (ForwardMode mode : {ForwardMode::kDecode, ForwardMode::kTargetVerify, ForwardMode::kDraftExtend}) {
+    SCOPED_TRACE(forward_mode_name(mode));
+    std::mt19937_64 rng(uint64_t(mode) + 44);
+    const int heads = 16, k = mode == ForwardMode::kDecode ? 1 : 2;
+    Pool pool(16, 400, 4096, 4, DType::kBF16, rng());
+    const int q3 = mode == ForwardMode::kDraftExtend ? 1 : k;  // DRAFT_EXTEND: fewer than the bound
+    AbsorbedBatch b = make_absorbed_batch(pool, mode, {{0, 40, k}, {1, 3000, k}, {2, 7, q3}}, heads,
+                                          DType::kInt32, rng);
+    pool.upload();
+    b.upload();
+    BackendConfig config = make_config(pool, heads, true, DType::kBF16);
+    config.num_draft_tokens = k;
+    Backend gpu(config);
+    CudaStream stream;
+    const LayerParams layer = make_layer(pool, true);
+    ForwardBatch planned = b.batch(true, false);
+    planned.batch_size = 1;  // planned before the padding added two requests
+    gpu.init_forward_metadata(planned, stream.get());
+    ASSERT_EQ(gpu.plan().batch_size, 1);
+    gpu.forward_decode(b.batch(true, false), layer, b.args(true), stream.get());
+    MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+    EXPECT_EQ(gpu.plan().batch_size, 3);
+    EXPECT_NE(gpu.plan().schedule, nullptr);
+    mirror_save(pool, b.k_nope, b.k_pe, b.out_cache_loc);
+    EXPECT_TRUE(bitwise_equal(pool.d_cache.download(), pool.cache)) << "cache after the saves";
+    expect_close(b.d_out.download(), b.d_lse.download(), b.reference(pool), "re-planned forward");
+  }
+}
+
 // BackendConfig::check_metadata: device lengths that outgrow the block table (its width taken
 // from stale seq_lens_cpu) are reported before the launch; without it nothing is (the kernels
 // clamp the lengths to the table).
