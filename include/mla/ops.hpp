@@ -38,7 +38,8 @@ constexpr float kFp8E4M3Max = 448.0f;
 //    the cache dtype. For an fp8 cache the stored value is saturate_fp8(x / k_scale), so that
 //    stored * k_scale approximates x. loc -1 skips that token (padding). Any other value outside
 //    [0, P*S) is an error on the CPU (nothing is written); the CUDA kernel cannot report without
-//    a host sync, so it skips such tokens and never writes out of bounds. Two tokens with one slot
+//    a host sync, so it skips such tokens and never writes out of bounds (with check_metadata
+//    the GPU path reports them as the CPU path does). Two tokens with one slot
 //    race: the CPU path keeps the later one, the GPU may store a mix of both rows' 16-byte chunks.
 struct AppendLatentKvArgs {
   TensorView k_nope;    // [T, 512] bf16/fp16/fp32, inner stride 1
@@ -46,6 +47,11 @@ struct AppendLatentKvArgs {
   TensorView loc;       // [T] int32 or int64: token slots in the pool (< P * S), -1 = skip
   TensorView kv_cache;  // [P, S, 576] bf16/fp16/fp8e4m3, contiguous; overlaps no input
   float k_scale = 1.0f; // fp8 only: dequantised = stored * k_scale (> 0)
+  // GPU only, a debug mode: before launching, copy loc to the host and check it as the CPU path
+  // does, throwing mla::Error that names the first slot out of range (nothing is written then).
+  // It synchronises the stream, so it is refused while the stream is being captured into a CUDA
+  // graph.
+  bool check_metadata = false;
 };
 void append_latent_kv(const AppendLatentKvArgs& args, Stream stream = nullptr);
 

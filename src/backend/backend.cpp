@@ -859,6 +859,7 @@ void Backend::Impl::append_kv(const LayerParams& layer, const TensorView& k_nope
   append.loc = detail::first_rows(out_cache_loc, num_tokens);
   append.kv_cache = layer.kv_cache;
   append.k_scale = layer.k_scale;
+  append.check_metadata = config.check_metadata;
   append_latent_kv(append, stream);
 }
 

@@ -6,20 +6,26 @@
 
 namespace mla::cpu {
 
-void append_latent_kv(const AppendLatentKvArgs& args) {
-  const TensorView& cache = args.kv_cache;
-  const int64_t num_tokens = args.k_nope.shape[0];
-  const int64_t num_pages = cache.shape[0];
-  const int64_t page_size = cache.shape[1];
+void check_append_locs(const AppendLatentKvArgs& args) {
+  const int64_t num_tokens = args.loc.shape[0];
+  const int64_t num_pages = args.kv_cache.shape[0];
+  const int64_t page_size = args.kv_cache.shape[1];
   const int64_t num_slots = num_pages * page_size;
-
-  // Every slot is checked before anything is written, so a bad loc leaves the pool untouched.
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t slot = load_index(args.loc, t);
     MLA_CHECK(slot >= -1 && slot < num_slots, "append_latent_kv: loc[", t, "] = ", slot,
               " is out of range: slots must be in [0, ", num_slots, ") (kv_cache has ", num_pages,
               " pages of ", page_size, "), or -1 to skip the token");
   }
+}
+
+void append_latent_kv(const AppendLatentKvArgs& args) {
+  const TensorView& cache = args.kv_cache;
+  const int64_t num_tokens = args.k_nope.shape[0];
+  const int64_t page_size = cache.shape[1];
+
+  // Every slot is checked before anything is written, so a bad loc leaves the pool untouched.
+  check_append_locs(args);
 
   const bool quantise = cache.dtype == DType::kFP8E4M3;
   const float k_scale = args.k_scale;

@@ -7,6 +7,10 @@
 
 namespace mla::cpu {
 void append_latent_kv(const AppendLatentKvArgs& args);
+// Checks every slot of loc (readable on the host) and throws mla::Error naming the first one
+// outside [0, P*S) other than -1. The CPU append_latent_kv runs it on every call before writing;
+// the GPU one when AppendLatentKvArgs::check_metadata is set, on a host copy.
+void check_append_locs(const AppendLatentKvArgs& args);
 void build_block_table(const BuildBlockTableArgs& args);
 void rope_quantize(const RopeQuantizeArgs& args);
 void mla_decode(const MlaDecodeArgs& args);

@@ -39,6 +39,17 @@ inline std::vector<int32_t> copy_int32_to_host(const TensorView& src, int64_t ro
   return dst;
 }
 
+// A contiguous index vector (int32 or int64, `n` elements) copied into `storage`, queued on
+// `stream`: the returned host view (src's dtype) is valid once the stream has been synchronised.
+inline TensorView copy_index_vector_to_host(const TensorView& src, int64_t n, std::vector<int64_t>& storage,
+                                            cudaStream_t stream) {
+  const size_t bytes = size_t(n) * dtype_size(src.dtype);
+  storage.assign((bytes + sizeof(int64_t) - 1) / sizeof(int64_t), 0);
+  if (bytes > 0)
+    MLA_CUDA_CHECK(cudaMemcpyAsync(storage.data(), src.data, bytes, cudaMemcpyDeviceToHost, stream));
+  return TensorView::contiguous(storage.data(), src.dtype, {n}, Device::cpu());
+}
+
 // A contiguous host view of such a copy.
 inline TensorView host_int32_view(std::vector<int32_t>& values, std::initializer_list<int64_t> shape) {
   return TensorView::contiguous(values.data(), DType::kInt32, shape, Device::cpu());

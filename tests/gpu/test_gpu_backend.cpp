@@ -737,6 +737,21 @@ TEST(GpuBackend, CheckMetadataReportsLengthsPastTheBlockTable) {
   unchecked.init_forward_metadata(batch, stream.get());
   EXPECT_NO_THROW(unchecked.forward_decode(batch, make_layer(pool, true), b.args(true, false), stream.get()));
   MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+
+  // A new token's cache slot past the pool (12 pages of 64): named by the save, before anything
+  // is written (the save runs first).
+  config.check_metadata = true;
+  Backend saving(config);
+  const ForwardBatch good = b.batch(true, true);
+  saving.init_forward_metadata(good, stream.get());
+  HostTensor bad_loc = index_tensor(DType::kInt32, {int64_t(pool.slot(1, 300)), 12 * 64 + 3});
+  DeviceCopy d_bad_loc(bad_loc);
+  ForwardBatch bad = good;
+  bad.out_cache_loc = d_bad_loc.view();
+  EXPECT_TRUE(throws_error([&] { saving.forward_decode(bad, make_layer(pool, true), b.args(true, true), stream.get()); },
+                           {"append_latent_kv: loc[1] = 771", "out of range"}));
+  EXPECT_NO_THROW(saving.forward_decode(good, make_layer(pool, true), b.args(true, true), stream.get()));
+  MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
 }
 
 // The eager split-KV schedule grows by half again at least (a batch that grows a request a step

@@ -237,6 +237,59 @@ TEST(GpuAppendLatentKv, OutOfRangeSlotsAreSkippedOnTheDevice) {
     }
 }
 
+// AppendLatentKvArgs::check_metadata: a slot out of range is reported as the CPU path reports it
+// (naming loc[t]) and nothing is written; good slots then write as without it; and the check,
+// which waits for a host copy, is refused inside a CUDA graph capture.
+TEST(GpuAppendLatentKv, CheckMetadataReportsOutOfRangeSlots) {
+  MLA_REQUIRE_GPU();
+  const int64_t P = 5, S = 16, T = 7;
+  std::mt19937_64 rng(31);
+  HostTensor nope(DType::kBF16, {T, kNope}), pe(DType::kBF16, {T, kRope});
+  for (int64_t i = 0; i < nope.numel(); ++i) nope.set(i, log_uniform(rng, -3, 3, 1.0));
+  for (int64_t i = 0; i < pe.numel(); ++i) pe.set(i, log_uniform(rng, -3, 3, 1.0));
+  DeviceTensor d_nope(nope), d_pe(pe);
+  for (DType loc_dtype : {DType::kInt32, DType::kInt64}) {
+    SCOPED_TRACE(loc_dtype == DType::kInt32 ? "int32 loc" : "int64 loc");
+    HostTensor cache(DType::kBF16, {P, S, kEntry});
+    cache.fill_nan();
+    const HostTensor poisoned = cache;
+    DeviceTensor d_cache(cache);
+    std::vector<int64_t> slots = {3, 17, -1, P * S, 40, 0, 79};
+    HostTensor bad = mla::test::index_tensor(loc_dtype, slots);
+    DeviceTensor d_bad(bad);
+    mla::AppendLatentKvArgs a;
+    a.k_nope = d_nope.view();
+    a.k_pe = d_pe.view();
+    a.loc = d_bad.view();
+    a.kv_cache = d_cache.view();
+    a.check_metadata = true;
+    EXPECT_TRUE(mla::test::throws_error([&] { mla::append_latent_kv(a); },
+                                        {"append_latent_kv: loc[3] = 80", "out of range", "[0, 80)"}));
+    d_cache.download();
+    EXPECT_TRUE(bitwise_equal(cache, poisoned)) << "the pool was written";
+
+    slots[3] = 41;
+    HostTensor good = mla::test::index_tensor(loc_dtype, slots);
+    DeviceTensor d_good(good);
+    a.loc = d_good.view();
+    EXPECT_NO_THROW(mla::append_latent_kv(a));
+    MLA_TEST_CUDA(cudaDeviceSynchronize());
+    d_cache.download();
+    HostTensor expected = poisoned;
+    mla::AppendLatentKvArgs c = a;
+    c.k_nope = nope.view();
+    c.k_pe = pe.view();
+    c.loc = good.view();
+    c.kv_cache = expected.view();
+    mla::append_latent_kv(c);
+    EXPECT_TRUE(bitwise_equal(cache, expected));
+
+    const auto captured = mla::test::run_in_cuda_graph([&](mla::Stream s) { mla::append_latent_kv(a, s); });
+    EXPECT_FALSE(captured);
+    EXPECT_NE(std::string(captured.message()).find("check_metadata"), std::string::npos) << captured.message();
+  }
+}
+
 TEST(GpuAppendLatentKv, NonBlockingStreamAndCudaGraph) {
   MLA_REQUIRE_GPU();
   run_append_case({DType::kBF16, DType::kBF16, DType::kInt64, 32, 9, 37, 1.0f, -1, 0, 21},

@@ -8,12 +8,17 @@
 //
 // Device-side index handling (no host sync, so no exception): a token whose loc is negative
 // (-1 = padding) or >= P * S is skipped and the pool is left untouched for it. The CPU path throws
-// on loc < -1 or loc >= P * S instead. Two tokens naming the same slot race (the CPU keeps the
-// later one); callers give distinct slots.
+// on loc < -1 or loc >= P * S instead, and so does this one with check_metadata (a host copy of
+// loc checked by the CPU path's check before the launch). Two tokens naming the same slot race
+// (the CPU keeps the later one); callers give distinct slots.
 //
 // History: v1 (this version) — chunk-per-thread scatter with 16-byte vector I/O.
+#include <vector>
+
+#include "cpu/cpu_ops.hpp"
 #include "cuda/common/elementwise.cuh"
 #include "cuda/cuda_ops.hpp"
+#include "cuda/host_metadata.hpp"
 
 namespace mla::cuda {
 namespace {
@@ -93,6 +98,14 @@ void append_latent_kv(const AppendLatentKvArgs& args, Stream stream) {
   p.k_scale = args.k_scale;
   p.vectorised = rows_aligned16(args.k_nope) && rows_aligned16(args.k_pe) && rows_aligned16(cache);
   if (p.num_tokens == 0) return;
+  if (args.check_metadata) {  // loc is contiguous (checked before)
+    require_not_capturing(op, "loc", to_cuda(stream));
+    std::vector<int64_t> storage;
+    AppendLatentKvArgs host = args;
+    host.loc = copy_index_vector_to_host(args.loc, p.num_tokens, storage, to_cuda(stream));
+    MLA_CUDA_CHECK(cudaStreamSynchronize(to_cuda(stream)));
+    cpu::check_append_locs(host);
+  }
 
   constexpr int kThreads = 256;
   dispatch_float_dtype(op, "k_nope", args.k_nope.dtype, [&](auto in_tag) {
