@@ -81,7 +81,7 @@ void build_block_table(const BuildBlockTableArgs& args, Stream stream = nullptr)
 //    NeoX: pairs (i, i + 32); interleaved (GPT-J): pairs (2i, 2i + 1). For pair (x1, x2) with
 //    angle index i: x1' = x1 cos_i - x2 sin_i, x2' = x2 cos_i + x1 sin_i.
 //    A position outside [0, max_position) throws on the CPU; on the GPU that token's query rows
-//    and key row are written NaN. No output element may share an address with another
+//    and key row are written NaN (with check_metadata it throws as on the CPU). No output element may share an address with another
 //    (check::non_overlapping) or with an input (check::disjoint): an in-place call is not
 //    supported (the GPU reads a pair's partner while other threads write); either is an
 //    mla::Error.
@@ -99,6 +99,11 @@ struct RopeQuantizeArgs {
   TensorView k_pe_out;       // [T, 64]  same dtype as k_nope_out
   float q_scale = 1.0f;      // used when q_out is fp8 (checked > 0 and finite in every call)
   float k_scale = 1.0f;      // used when the k outputs are fp8 (likewise)
+  // GPU only, a debug mode: before launching, copy positions to the host and check them as the
+  // CPU path does, throwing mla::Error that names the first one out of range (nothing is
+  // written then). It synchronises the stream, so it is refused while the stream is being
+  // captured into a CUDA graph.
+  bool check_metadata = false;
 };
 void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
 

@@ -720,6 +720,7 @@ void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, cons
     r.style = args.rope_style;
     r.q_out = scratch.take("the roped query", config.q_dtype, {num_tokens, heads, kLatentDim});
     r.q_scale = layer.q_scale;
+    r.check_metadata = config.check_metadata;
     if (args.save_kv_cache) {
       r.k_nope = k_nope;
       r.k_pe = k_pe;

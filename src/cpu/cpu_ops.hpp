@@ -13,6 +13,10 @@ void append_latent_kv(const AppendLatentKvArgs& args);
 void check_append_locs(const AppendLatentKvArgs& args);
 void build_block_table(const BuildBlockTableArgs& args);
 void rope_quantize(const RopeQuantizeArgs& args);
+// Checks every position (readable on the host) and throws mla::Error naming the first one
+// outside [0, max_position). The CPU rope_quantize runs it on every call before writing; the GPU
+// one when RopeQuantizeArgs::check_metadata is set, on a host copy.
+void check_rope_positions(const RopeQuantizeArgs& args);
 void mla_decode(const MlaDecodeArgs& args);
 // Checks every data-dependent value of an mla_decode call as the kernels use it (cu_q_lens,
 // kv_lens, the page ids of the keys in use) and throws mla::Error naming the first bad one.

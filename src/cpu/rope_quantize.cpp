@@ -44,19 +44,24 @@ void rope_row(const TensorView& src, int64_t src_offset, const float* cos_sin, R
 
 }  // namespace
 
-void rope_quantize(const RopeQuantizeArgs& args) {
-  const int64_t num_tokens = args.q_nope.shape[0];
-  const int64_t num_heads = args.q_nope.shape[1];
+void check_rope_positions(const RopeQuantizeArgs& args) {
+  const int64_t num_tokens = args.positions.shape[0];
   const int64_t max_position = args.cos_sin_cache.shape[0];
-  const bool with_k = !args.k_nope.empty();
-
-  // Validate every position before writing anything.
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t pos = load_index(args.positions, t);
     MLA_CHECK(pos >= 0 && pos < max_position, "rope_quantize: positions[", t, "] = ", pos,
               " is out of range [0, ", max_position, ") (cos_sin_cache has ", max_position,
               " rows)");
   }
+}
+
+void rope_quantize(const RopeQuantizeArgs& args) {
+  const int64_t num_tokens = args.q_nope.shape[0];
+  const int64_t num_heads = args.q_nope.shape[1];
+  const bool with_k = !args.k_nope.empty();
+
+  // Validate every position before writing anything.
+  check_rope_positions(args);
   auto cos_sin_of = [&](int64_t t) {
     return static_cast<const float*>(args.cos_sin_cache.data) +
            load_index(args.positions, t) * args.cos_sin_cache.stride[0];

@@ -32,6 +32,7 @@ using mla::test::CudaStream;
 using mla::test::DeviceTensor;
 using mla::test::HostTensor;
 using mla::test::PlacedTensor;
+using mla::test::bitwise_equal;
 
 constexpr int kNope = mla::kKvLoraRank;  // 512
 constexpr int kRope = mla::kRopeDim;     // 64
@@ -411,6 +412,66 @@ TEST(GpuRopeQuantize, OutOfRangePositionsGiveNaNRowsOnTheDevice) {
                    Layout::kFused, 4, 20});
     run_rope_case({DType::kFP16, DType::kFP16, DType::kBF16, RopeStyle::kInterleaved, 3, 1, pos,
                    Layout::kMisaligned, 1, 21});
+  }
+}
+
+// RopeQuantizeArgs::check_metadata: a position out of range is reported as the CPU path reports
+// it (naming positions[t]) and nothing is written; good positions then give the CPU path's bits;
+// and the check, which waits for a host copy, is refused inside a CUDA graph capture.
+TEST(GpuRopeQuantize, CheckMetadataReportsPositionsOutOfRange) {
+  MLA_REQUIRE_GPU();
+  const int64_t T = 5, H = 4, max_position = 32;
+  std::mt19937_64 rng(41);
+  auto random = [&](DType dt, std::vector<int64_t> shape) {
+    HostTensor h(dt, std::move(shape));
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    for (int64_t i = 0; i < h.numel(); ++i) h.set(i, u(rng));
+    return h;
+  };
+  HostTensor q_nope = random(DType::kBF16, {T, H, mla::kKvLoraRank}), q_pe = random(DType::kBF16, {T, H, mla::kRopeDim});
+  HostTensor cos_sin = random(DType::kFP32, {max_position, mla::kRopeDim});
+  DeviceTensor d_q_nope(q_nope), d_q_pe(q_pe), d_cos_sin(cos_sin);
+  for (DType pos_dtype : {DType::kInt32, DType::kInt64}) {
+    SCOPED_TRACE(pos_dtype == DType::kInt32 ? "int32 positions" : "int64 positions");
+    HostTensor q_out(DType::kBF16, {T, H, mla::kLatentDim});
+    q_out.fill_nan();
+    const HostTensor poisoned = q_out;
+    DeviceTensor d_q_out(q_out);
+    std::vector<int64_t> positions = {0, 31, 7, -1, 12};
+    HostTensor bad = mla::test::index_tensor(pos_dtype, positions);
+    DeviceTensor d_bad(bad);
+    mla::RopeQuantizeArgs a;
+    a.q_nope = d_q_nope.view();
+    a.q_pe = d_q_pe.view();
+    a.cos_sin_cache = d_cos_sin.view();
+    a.positions = d_bad.view();
+    a.q_out = d_q_out.view();
+    a.check_metadata = true;
+    EXPECT_TRUE(mla::test::throws_error([&] { mla::rope_quantize(a); },
+                                        {"rope_quantize: positions[3] = -1", "out of range [0, 32)"}));
+    d_q_out.download();
+    EXPECT_TRUE(bitwise_equal(q_out, poisoned)) << "q_out was written";
+
+    positions[3] = 30;
+    HostTensor good = mla::test::index_tensor(pos_dtype, positions);
+    DeviceTensor d_good(good);
+    a.positions = d_good.view();
+    EXPECT_NO_THROW(mla::rope_quantize(a));
+    MLA_TEST_CUDA(cudaDeviceSynchronize());
+    d_q_out.download();
+    HostTensor expected = poisoned;
+    mla::RopeQuantizeArgs c = a;
+    c.q_nope = q_nope.view();
+    c.q_pe = q_pe.view();
+    c.cos_sin_cache = cos_sin.view();
+    c.positions = good.view();
+    c.q_out = expected.view();
+    mla::rope_quantize(c);
+    EXPECT_TRUE(bitwise_equal(q_out, expected));
+
+    const auto captured = mla::test::run_in_cuda_graph([&](mla::Stream s) { mla::rope_quantize(a, s); });
+    EXPECT_FALSE(captured);
+    EXPECT_NE(std::string(captured.message()).find("check_metadata"), std::string::npos) << captured.message();
   }
 }
 
