@@ -79,9 +79,11 @@ struct BackendConfig {
   size_t workspace_bytes = Workspace::kDefaultBytes;  // when the Backend creates its workspace
   // GPU debug mode: the decode family's kernels get MlaDecodeArgs::check_metadata (and EXTEND's
   // mha_prefill calls MhaPrefillArgs::check_metadata, the saves of new latents
-  // AppendLatentKvArgs::check_metadata, the rope RopeQuantizeArgs::check_metadata), so that bad
-  // lengths, block tables, page ids, cache slots and positions (also those the engine's device tensors carried in) are reported as mla::Error before
-  // each launch. It synchronises the stream: not for CUDA graphs.
+  // AppendLatentKvArgs::check_metadata, the rope RopeQuantizeArgs::check_metadata, the block
+  // tables of every plan BuildBlockTableArgs::check_metadata), so that bad lengths, request
+  // indices, token slots, block tables, page ids, cache slots and positions (also those the
+  // engine's device tensors carried in) are reported as mla::Error before each launch. It
+  // synchronises the stream: not for CUDA graphs.
   bool check_metadata = false;
   // Deterministic mode (DESIGN §5): a request's attention output (and LSE) is bit-identical
   // whatever the other requests of its batch, its place in it and the batch size, and on every

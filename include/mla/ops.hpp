@@ -61,7 +61,7 @@ void append_latent_kv(const AppendLatentKvArgs& args, Stream stream = nullptr);
 //    seq_lens[b] must be <= max_blocks * S and <= req_to_token.shape[1]. The CPU path throws on a
 //    bad index or length; the GPU path, which cannot report without a host sync, writes -1 over
 //    the whole row of a bad request and over the entry of a negative token slot (never leaving
-//    what an earlier call wrote there).
+//    what an earlier call wrote there); with check_metadata it throws as the CPU path does.
 struct BuildBlockTableArgs {
   TensorView req_to_token;      // [R, max_context_len] int32
   TensorView req_pool_indices;  // [B] int32 or int64, each in [0, R)
@@ -69,6 +69,11 @@ struct BuildBlockTableArgs {
   int page_size = 64;           // S
   TensorView block_table;       // [B, max_blocks] int32, output (no two entries at one address,
                                 // none over an input)
+  // GPU only, a debug mode: before launching, copy req_pool_indices, seq_lens and the token slots
+  // of the pages in use to the host and check them as the CPU path does, throwing mla::Error that
+  // names the first bad one (nothing is written then). It synchronises the stream (once a
+  // request), so it is refused while the stream is being captured into a CUDA graph.
+  bool check_metadata = false;
 };
 void build_block_table(const BuildBlockTableArgs& args, Stream stream = nullptr);
 

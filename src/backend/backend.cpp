@@ -61,8 +61,9 @@ void check_host_lengths(const char* op, const char* name, std::span<const int32_
 
 void fill_block_table(const TensorView& req_to_token, const TensorView& req_pool_indices,
                       const TensorView& seq_lens, int page_size, const TensorView& block_table,
-                      Stream stream) {
+                      bool check_metadata, Stream stream) {
   BuildBlockTableArgs args;
+  args.check_metadata = check_metadata;
   args.req_to_token = req_to_token;
   args.req_pool_indices = req_pool_indices;
   args.seq_lens = seq_lens;
@@ -328,7 +329,7 @@ void Backend::Impl::plan_decode_family(const ForwardBatch& batch, Stream stream)
   p.block_table = detail::int32_view(base + at_block_table, {batch_size, width}, device);
   detail::fill_block_table(config.req_to_token,
                            detail::first_rows(batch.req_pool_indices, batch_size), p.kv_lens,
-                           config.page_size, p.block_table, stream);
+                           config.page_size, p.block_table, config.check_metadata, stream);
   attach_schedule(op, p, eager_schedule, true, stream);
   plan = std::move(p);
 }
@@ -415,7 +416,7 @@ void Backend::Impl::plan_extend(const ForwardBatch& batch, Stream stream) {
   p.block_table = detail::int32_view(base + at_block_table, {batch_size, width}, device);
   const TensorView req_pool_indices = detail::first_rows(batch.req_pool_indices, batch_size);
   detail::fill_block_table(config.req_to_token, req_pool_indices, p.kv_lens, config.page_size,
-                           p.block_table, stream);
+                           p.block_table, config.check_metadata, stream);
 
   // Prefix token slots, request-major: with page size 1 a block-table row is the request's
   // token slots, so each request's prefix row is written straight into its packed place.
@@ -426,7 +427,8 @@ void Backend::Impl::plan_extend(const ForwardBatch& batch, Stream stream) {
     detail::fill_block_table(
         config.req_to_token, detail::row_range(req_pool_indices, b, 1),
         detail::int32_view(base + at_prefix_lens + b, {1}, device), 1,
-        detail::int32_view(base + at_slots + slot_offset, {1, prefix}, device), stream);
+        detail::int32_view(base + at_slots + slot_offset, {1, prefix}, device), config.check_metadata,
+        stream);
     slot_offset += prefix;
   }
   for (size_t c = 0; c < ext.chunks.size(); ++c) {
@@ -509,7 +511,7 @@ void Backend::Impl::plan_fixed(const char* op, int bs, int64_t num_tokens,
                              (size_t(bs) + 1) * sizeof(int32_t), config.device, stream);
     }
     detail::fill_block_table(config.req_to_token, detail::first_rows(req_pool_indices, bs),
-                             p.kv_lens, config.page_size, p.block_table, stream);
+                             p.kv_lens, config.page_size, p.block_table, config.check_metadata, stream);
     attach_schedule(op, p, graph_schedule, false, stream);
   }
   plan = std::move(p);

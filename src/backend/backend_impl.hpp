@@ -43,10 +43,11 @@ void check_host_lengths(const char* op, const char* name, std::span<const int32_
                         int64_t len);
 
 // block_table [bs, width] = the pages (of page_size tokens) that hold seq_lens [bs] tokens of the
-// requests req_pool_indices [bs], from req_to_token (build_block_table).
+// requests req_pool_indices [bs], from req_to_token (build_block_table; check_metadata: its
+// debug mode, BackendConfig::check_metadata).
 void fill_block_table(const TensorView& req_to_token, const TensorView& req_pool_indices,
                       const TensorView& seq_lens, int page_size, const TensorView& block_table,
-                      Stream stream);
+                      bool check_metadata, Stream stream);
 
 // Carves 256-byte aligned tensors out of a workspace, front to back (reset per call).
 class ScratchArena {

@@ -68,7 +68,7 @@ void MultiStepDraftBackend::Impl::build_and_install(const char* op, const char* 
     detail::lengths_to_int32(op, seq_lens_name, detail::first_rows(seq_lens, bs), i,
                              kv_lens[size_t(i)], stream);
   detail::fill_block_table(config.req_to_token, detail::first_rows(req_pool_indices, bs),
-                           kv_lens.back(), config.page_size, block_table, stream);
+                           kv_lens.back(), config.page_size, block_table, config.check_metadata, stream);
   for (int i = 0; i < num_step_backends; ++i) {
     Plan p;
     p.mode = ForwardMode::kDecode;

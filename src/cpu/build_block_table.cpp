@@ -6,20 +6,14 @@
 
 namespace mla::cpu {
 
-void build_block_table(const BuildBlockTableArgs& args) {
+void check_block_table_inputs(const BuildBlockTableArgs& args,
+                              const std::function<int64_t(int64_t req, int64_t pos)>& slot_of) {
   constexpr const char* op = "build_block_table";
-  const TensorView& req_to_token = args.req_to_token;
   const int64_t batch_size = args.req_pool_indices.shape[0];
-  const int64_t num_req_slots = req_to_token.shape[0];
-  const int64_t max_context_len = req_to_token.shape[1];
+  const int64_t num_req_slots = args.req_to_token.shape[0];
+  const int64_t max_context_len = args.req_to_token.shape[1];
   const int64_t max_blocks = args.block_table.shape[1];
   const int64_t page_size = args.page_size;
-  const int32_t* token_slots = static_cast<const int32_t*>(req_to_token.data);
-  auto slot_of = [&](int64_t req, int64_t pos) {
-    return token_slots[req * req_to_token.stride[0] + pos];
-  };
-
-  // Validate every value before writing anything.
   for (int64_t b = 0; b < batch_size; ++b) {
     const int64_t req = load_index(args.req_pool_indices, b);
     MLA_CHECK(req >= 0 && req < num_req_slots, op, ": req_pool_indices[", b, "] = ", req,
@@ -40,6 +34,20 @@ void build_block_table(const BuildBlockTableArgs& args) {
                 "] = ", seq_len, "); token slots must be >= 0");
     }
   }
+}
+
+void build_block_table(const BuildBlockTableArgs& args) {
+  const TensorView& req_to_token = args.req_to_token;
+  const int64_t batch_size = args.req_pool_indices.shape[0];
+  const int64_t max_blocks = args.block_table.shape[1];
+  const int64_t page_size = args.page_size;
+  const int32_t* token_slots = static_cast<const int32_t*>(req_to_token.data);
+  auto slot_of = [&](int64_t req, int64_t pos) {
+    return int64_t(token_slots[req * req_to_token.stride[0] + pos]);
+  };
+
+  // Validate every value before writing anything.
+  check_block_table_inputs(args, slot_of);
 
   int32_t* table = static_cast<int32_t*>(args.block_table.data);
   for (int64_t b = 0; b < batch_size; ++b) {

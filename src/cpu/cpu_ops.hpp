@@ -3,6 +3,9 @@
 // (page ids, lengths) that can only be done by reading values are done here and throw mla::Error.
 #pragma once
 
+#include <cstdint>
+#include <functional>
+
 #include "mla/ops.hpp"
 
 namespace mla::cpu {
@@ -12,6 +15,13 @@ void append_latent_kv(const AppendLatentKvArgs& args);
 // the GPU one when AppendLatentKvArgs::check_metadata is set, on a host copy.
 void check_append_locs(const AppendLatentKvArgs& args);
 void build_block_table(const BuildBlockTableArgs& args);
+// Checks req_pool_indices and seq_lens (readable on the host) and the token slot of every page in
+// use, slot_of(req, pos) = req_to_token[req, pos] (asked only for a request whose index and
+// length passed), and throws mla::Error naming the first bad one. The CPU build_block_table runs
+// it on every call before writing; the GPU one when BuildBlockTableArgs::check_metadata is set,
+// on host copies.
+void check_block_table_inputs(const BuildBlockTableArgs& args,
+                              const std::function<int64_t(int64_t req, int64_t pos)>& slot_of);
 void rope_quantize(const RopeQuantizeArgs& args);
 // Checks every position (readable on the host) and throws mla::Error naming the first one
 // outside [0, max_position). The CPU rope_quantize runs it on every call before writing; the GPU

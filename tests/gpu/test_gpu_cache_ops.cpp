@@ -497,6 +497,70 @@ TEST(GpuBuildBlockTable, BadIndicesWriteMinusOneOnTheDevice) {
   }
 }
 
+// BuildBlockTableArgs::check_metadata: a request index out of range, a length past the table and
+// a negative token slot of a page in use are reported as the CPU path reports them and nothing is
+// written; a good batch then gives the CPU path's table; the check is refused during capture.
+TEST(GpuBuildBlockTable, CheckMetadataReportsBadIndicesLengthsAndSlots) {
+  MLA_REQUIRE_GPU();
+  const int64_t R = 3, max_context = 40, S = 8, max_blocks = 5;
+  HostTensor req_to_token(DType::kInt32, {R, max_context});
+  for (int64_t i = 0; i < req_to_token.numel(); ++i) req_to_token.i32(i) = int32_t(1000 + i);
+  req_to_token.i32(2 * max_context + 3 * S) = -5;  // request slot 2, page 3
+  DeviceTensor d_r2t(req_to_token);
+  for (DType index_dtype : {DType::kInt32, DType::kInt64}) {
+    SCOPED_TRACE(index_dtype == DType::kInt32 ? "int32 indices" : "int64 indices");
+    struct Bad {
+      std::vector<int64_t> rpi, seq;
+      std::initializer_list<const char*> fragments;
+    };
+    const Bad cases[] = {
+        {{0, 3}, {5, 9}, {"build_block_table: req_pool_indices[1] = 3", "out of range [0, 3)"}},
+        {{1, 0}, {41, 2}, {"build_block_table: seq_lens[0] = 41", "needs more pages than block_table holds"}},
+        {{0, 2}, {16, 25}, {"req_to_token[2, 24] = -5", "is negative", "request 1"}},
+    };
+    for (const Bad& bad : cases) {
+      HostTensor table(DType::kInt32, {int64_t(bad.rpi.size()), max_blocks});
+      for (int64_t i = 0; i < table.numel(); ++i) table.i32(i) = 77;
+      const HostTensor before = table;
+      HostTensor rpi = mla::test::index_tensor(index_dtype, bad.rpi), seq = mla::test::index_tensor(index_dtype, bad.seq);
+      DeviceTensor d_table(table), d_rpi(rpi), d_seq(seq);
+      mla::BuildBlockTableArgs a;
+      a.req_to_token = d_r2t.view();
+      a.req_pool_indices = d_rpi.view();
+      a.seq_lens = d_seq.view();
+      a.page_size = int(S);
+      a.block_table = d_table.view();
+      a.check_metadata = true;
+      EXPECT_TRUE(mla::test::throws_error([&] { mla::build_block_table(a); }, bad.fragments));
+      d_table.download();
+      EXPECT_TRUE(bitwise_equal(table, before)) << "the table was written";
+    }
+    HostTensor table(DType::kInt32, {2, max_blocks}), expected(DType::kInt32, {2, max_blocks});
+    HostTensor rpi = mla::test::index_tensor(index_dtype, {2, 1}), seq = mla::test::index_tensor(index_dtype, {24, 40});
+    DeviceTensor d_table(table), d_rpi(rpi), d_seq(seq);
+    mla::BuildBlockTableArgs a;
+    a.req_to_token = d_r2t.view();
+    a.req_pool_indices = d_rpi.view();
+    a.seq_lens = d_seq.view();
+    a.page_size = int(S);
+    a.block_table = d_table.view();
+    a.check_metadata = true;
+    EXPECT_NO_THROW(mla::build_block_table(a));
+    MLA_TEST_CUDA(cudaDeviceSynchronize());
+    d_table.download();
+    mla::BuildBlockTableArgs c = a;
+    c.req_to_token = req_to_token.view();
+    c.req_pool_indices = rpi.view();
+    c.seq_lens = seq.view();
+    c.block_table = expected.view();
+    mla::build_block_table(c);
+    EXPECT_TRUE(bitwise_equal(table, expected));
+    const auto captured = mla::test::run_in_cuda_graph([&](mla::Stream s) { mla::build_block_table(a, s); });
+    EXPECT_FALSE(captured);
+    EXPECT_NE(std::string(captured.message()).find("check_metadata"), std::string::npos) << captured.message();
+  }
+}
+
 TEST(GpuBuildBlockTable, NonBlockingStreamAndCudaGraph) {
   MLA_REQUIRE_GPU();
   run_table_case({64, {1, 64, 65, 300, 0}, 2, DType::kInt32, DType::kInt32, 0, 61, {}, {}},

@@ -11,11 +11,16 @@
 //   * req_pool_indices[b] outside [0, R), seq_lens[b] < 0, or seq_lens[b] > min(max_blocks * S,
 //     req_to_token.shape[1]): every entry of row b is -1 (decode then reads no key of it);
 //   * a negative token slot req_to_token[r, j * S]: entry (b, j) is -1.
+// With check_metadata the CPU path's check runs first on host copies and throws instead.
 //
 // History: v1 — one thread per table entry, grid-stride over requests and columns; bad rows and
 // slots left untouched. v2 (this version) — bad rows and slots written -1.
+#include <vector>
+
+#include "cpu/cpu_ops.hpp"
 #include "cuda/common/elementwise.cuh"
 #include "cuda/cuda_ops.hpp"
+#include "cuda/host_metadata.hpp"
 
 namespace mla::cuda {
 namespace {
@@ -62,6 +67,36 @@ __global__ void __launch_bounds__(128) build_block_table_kernel(const __grid_con
   }
 }
 
+// BuildBlockTableArgs::check_metadata: req_pool_indices and seq_lens (contiguous: checked before)
+// copied to the host and checked by the CPU path's check, which asks for a request's token slots
+// (one a page: a strided copy of its req_to_token row) once its index and length have passed.
+void check_inputs_on_host(const BuildBlockTableArgs& args, cudaStream_t stream) {
+  require_not_capturing("build_block_table", "req_pool_indices, seq_lens and token slots", stream);
+  const int64_t batch_size = args.req_pool_indices.shape[0];
+  std::vector<int64_t> rpi_storage, seq_storage;
+  BuildBlockTableArgs host = args;
+  host.req_pool_indices = copy_index_vector_to_host(args.req_pool_indices, batch_size, rpi_storage, stream);
+  host.seq_lens = copy_index_vector_to_host(args.seq_lens, batch_size, seq_storage, stream);
+  MLA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const int64_t page_size = args.page_size;
+  const int64_t max_context_len = args.req_to_token.shape[1];
+  int64_t row_req = -1;
+  std::vector<int32_t> row;  // req_to_token[row_req, j * S] for the pages of the current request
+  cpu::check_block_table_inputs(host, [&](int64_t req, int64_t pos) {
+    if (req != row_req || pos / page_size >= int64_t(row.size())) {
+      // Every page of the row that the context can hold (the check asks in page order, within it).
+      const int64_t pages = (max_context_len + page_size - 1) / page_size;
+      row.assign(size_t(pages), 0);
+      const int32_t* src = static_cast<const int32_t*>(args.req_to_token.data) + req * args.req_to_token.stride[0];
+      MLA_CUDA_CHECK(cudaMemcpy2DAsync(row.data(), sizeof(int32_t), src, size_t(page_size) * sizeof(int32_t),
+                                       sizeof(int32_t), size_t(pages), cudaMemcpyDeviceToHost, stream));
+      MLA_CUDA_CHECK(cudaStreamSynchronize(stream));
+      row_req = req;
+    }
+    return int64_t(row[size_t(pos / page_size)]);
+  });
+}
+
 }  // namespace
 
 void build_block_table(const BuildBlockTableArgs& args, Stream stream) {
@@ -86,6 +121,7 @@ void build_block_table(const BuildBlockTableArgs& args, Stream stream) {
   p.max_blocks = args.block_table.shape[1];
   p.page_shift = page_shift;
   if (p.batch_size == 0 || p.max_blocks == 0) return;
+  if (args.check_metadata) check_inputs_on_host(args, to_cuda(stream));
 
   constexpr int kThreads = 128;
   const int64_t column_blocks = std::min<int64_t>((p.max_blocks + kThreads - 1) / kThreads, 64);
