@@ -752,6 +752,14 @@ TEST(GpuBackend, CheckMetadataReportsLengthsPastTheBlockTable) {
                            {"append_latent_kv: loc[1] = 771", "out of range"}));
   EXPECT_NO_THROW(saving.forward_decode(good, make_layer(pool, true), b.args(true, true), stream.get()));
   MLA_TEST_CUDA(cudaStreamSynchronize(raw(stream)));
+
+  // A request index past req_to_token's 3 rows: named when the batch is planned.
+  HostTensor bad_rpi = index_tensor(DType::kInt32, {1, 7});
+  DeviceCopy d_bad_rpi(bad_rpi);
+  ForwardBatch bad_request = good;
+  bad_request.req_pool_indices = d_bad_rpi.view();
+  EXPECT_TRUE(throws_error([&] { saving.init_forward_metadata(bad_request, stream.get()); },
+                           {"build_block_table: req_pool_indices[1] = 7", "out of range [0, 3)"}));
 }
 
 // The eager split-KV schedule grows by half again at least (a batch that grows a request a step
