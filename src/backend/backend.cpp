@@ -59,6 +59,13 @@ void check_host_lengths(const char* op, const char* name, std::span<const int32_
             " entries, got ", values.size());
 }
 
+const int32_t* readable_int32(const TensorView& values, int64_t n, std::vector<int32_t>& copy, Stream stream) {
+  if (values.device.type == DeviceType::kCPU) return static_cast<const int32_t*>(values.data);
+  copy.resize(size_t(n));
+  copy_to_host(copy.data(), values.data, size_t(n) * sizeof(int32_t), values.device, stream);
+  return copy.data();
+}
+
 void fill_block_table(const TensorView& req_to_token, const TensorView& req_pool_indices,
                       const TensorView& seq_lens, int page_size, const TensorView& block_table,
                       bool check_metadata, Stream stream) {
@@ -306,10 +313,11 @@ void Backend::Impl::plan_decode_family(const ForwardBatch& batch, Stream stream)
                              host_staging.size() * sizeof(int32_t), device, stream);
     }
   }
-  if (device.type == DeviceType::kCPU) {
-    // The device tensors' values are visible here: name the engine's argument that disagrees with
-    // the bounds planned from the host ones (on CUDA: BackendConfig::check_metadata).
-    const int32_t* kv = static_cast<const int32_t*>(p.kv_lens.data);
+  if (device.type == DeviceType::kCPU || config.check_metadata) {
+    // The device tensors' values are visible here (on CUDA in the debug mode, by host copies):
+    // name the engine's argument that disagrees with the bounds planned from the host ones.
+    std::vector<int32_t> kv_copy, cu_copy;
+    const int32_t* kv = detail::readable_int32(p.kv_lens, batch_size, kv_copy, stream);
     const int64_t table_tokens = int64_t(width) * config.page_size;
     for (int b = 0; b < batch_size; ++b)
       MLA_CHECK(kv[b] <= table_tokens, op, ": batch.seq_lens[", b, "] = ", kv[b] - seq_len_offset,
@@ -317,7 +325,7 @@ void Backend::Impl::plan_decode_family(const ForwardBatch& batch, Stream stream)
                 table_tokens, " tokens a request planned from ",
                 batch.seq_lens_cpu.empty() ? "max_context_len" : "batch.seq_lens_cpu (stale?)");
     if (draft_extend && device_q_lens && !host_q_lens) {
-      const int32_t* cu = static_cast<const int32_t*>(p.cu_q_lens.data);
+      const int32_t* cu = detail::readable_int32(p.cu_q_lens, int64_t(batch_size) + 1, cu_copy, stream);
       for (int b = 0; b < batch_size; ++b)
         MLA_CHECK(cu[b + 1] - cu[b] <= p.max_q_len, op, ": batch.extend_seq_lens[", b, "] = ",
                   cu[b + 1] - cu[b], " is more than the bound on the queries per request, ",
@@ -498,9 +506,10 @@ void Backend::Impl::plan_fixed(const char* op, int bs, int64_t num_tokens,
       detail::check_index_vector(op, "extend_seq_lens", extend_seq_lens, bs, config.device);
       detail::prefix_sum_int32(op, "extend_seq_lens", detail::first_rows(extend_seq_lens, bs),
                                p.cu_q_lens, stream);
-      if (config.device.type == DeviceType::kCPU) {
-        // Readable here: name the count past the bound (on CUDA: BackendConfig::check_metadata).
-        const int32_t* cu = static_cast<const int32_t*>(p.cu_q_lens.data);
+      if (config.device.type == DeviceType::kCPU || config.check_metadata) {
+        // Readable here (on CUDA in the debug mode): name the count past the bound.
+        std::vector<int32_t> cu_copy;
+        const int32_t* cu = detail::readable_int32(p.cu_q_lens, int64_t(bs) + 1, cu_copy, stream);
         for (int b = 0; b < bs; ++b)
           MLA_CHECK(cu[b + 1] - cu[b] <= p.max_q_len, op, ": extend_seq_lens[", b, "] = ",
                     cu[b + 1] - cu[b], " is more than the graph's queries per request, ",

@@ -42,6 +42,11 @@ void check_index_vector(const char* op, const char* name, const TensorView& t, i
 void check_host_lengths(const char* op, const char* name, std::span<const int32_t> values,
                         int64_t len);
 
+// The first n values of a contiguous int32 vector the Backend owns, readable on the host: the
+// vector itself on the CPU, a copy into `copy` on CUDA (which waits for the stream: only for
+// BackendConfig::check_metadata).
+const int32_t* readable_int32(const TensorView& values, int64_t n, std::vector<int32_t>& copy, Stream stream);
+
 // block_table [bs, width] = the pages (of page_size tokens) that hold seq_lens [bs] tokens of the
 // requests req_pool_indices [bs], from req_to_token (build_block_table; check_metadata: its
 // debug mode, BackendConfig::check_metadata).

@@ -43,7 +43,8 @@ class Buffer {
 // source may be reused right away.
 void copy_to_device(void* dst, const void* host_src, size_t bytes, Device device, Stream stream);
 void copy_on_device(void* dst, const void* src, size_t bytes, Device device, Stream stream);
-// Waits for the copy (for tests and tools; never on the planning path).
+// Waits for the copy (for tests, tools and the Backend's debug mode; never on the planning path
+// otherwise).
 void copy_to_host(void* host_dst, const void* src, size_t bytes, Device device, Stream stream);
 void fill_zero(void* dst, size_t bytes, Device device, Stream stream);
 

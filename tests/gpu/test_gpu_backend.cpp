@@ -712,8 +712,9 @@ TEST(GpuBackend, LargerBatchThanPlannedIsReplanned) {
 }
 
 // BackendConfig::check_metadata: device lengths that outgrow the block table (its width taken
-// from stale seq_lens_cpu) are reported before the launch; without it nothing is (the kernels
-// clamp the lengths to the table).
+// from stale seq_lens_cpu) are reported when the batch is planned, as on the CPU; without it
+// nothing is (the kernels clamp the lengths to the table). A new token's cache slot past the
+// pool and a request index past req_to_token are reported too.
 TEST(GpuBackend, CheckMetadataReportsLengthsPastTheBlockTable) {
   MLA_REQUIRE_GPU();
   std::mt19937_64 rng(17);
@@ -729,9 +730,10 @@ TEST(GpuBackend, CheckMetadataReportsLengthsPastTheBlockTable) {
   CudaStream stream;
   config.check_metadata = true;
   Backend checked(config);
-  checked.init_forward_metadata(batch, stream.get());
-  EXPECT_TRUE(throws_error([&] { checked.forward_decode(batch, make_layer(pool, true), b.args(true, false), stream.get()); },
-                           {"kv_lens[0]", "must be in [0, "}));
+  // Named when the batch is planned, as on the CPU (the device lengths read back in this mode).
+  EXPECT_TRUE(throws_error([&] { checked.init_forward_metadata(batch, stream.get()); },
+                           {"batch.seq_lens[0] = 301 does not fit the block table of 128 tokens",
+                            "batch.seq_lens_cpu (stale?)"}));
   config.check_metadata = false;
   Backend unchecked(config);
   unchecked.init_forward_metadata(batch, stream.get());
