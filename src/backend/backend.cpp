@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 
 #include "backend/backend_impl.hpp"
-#include "cpu/load_index.hpp"
 #include "mla/error.hpp"
 #include "mla/ops.hpp"
 #if defined(MLA_WITH_CUDA)
@@ -59,11 +59,25 @@ void check_host_lengths(const char* op, const char* name, std::span<const int32_
             " entries, got ", values.size());
 }
 
-const int32_t* readable_int32(const TensorView& values, int64_t n, std::vector<int32_t>& copy, Stream stream) {
-  if (values.device.type == DeviceType::kCPU) return static_cast<const int32_t*>(values.data);
-  copy.resize(size_t(n));
-  copy_to_host(copy.data(), values.data, size_t(n) * sizeof(int32_t), values.device, stream);
-  return copy.data();
+std::vector<int32_t> lengths_on_host(const char* op, const char* name, const TensorView& lens,
+                                     const TensorView& computed, int32_t offset, bool prefix_sums,
+                                     Stream stream) {
+  const int64_t n = lens.shape[0];
+  std::vector<int32_t> out(size_t(n + (prefix_sums ? 1 : 0)));
+  if (lens.device.type == DeviceType::kCPU) {
+    std::memcpy(out.data(), computed.data, out.size() * sizeof(int32_t));
+    return out;
+  }
+  std::vector<int64_t> raw(static_cast<size_t>(n));  // room for int64 lengths
+  copy_to_host(raw.data(), lens.data, size_t(n) * dtype_size(lens.dtype), lens.device, stream);
+  const TensorView host_lens = TensorView::contiguous(raw.data(), lens.dtype, {n}, Device::cpu());
+  const TensorView host_out =
+      TensorView::contiguous(out.data(), DType::kInt32, {int64_t(out.size())}, Device::cpu());
+  if (prefix_sums)
+    prefix_sum_int32(op, name, host_lens, host_out, nullptr);
+  else
+    lengths_to_int32(op, name, host_lens, offset, host_out, nullptr);
+  return out;
 }
 
 void fill_block_table(const TensorView& req_to_token, const TensorView& req_pool_indices,
@@ -314,21 +328,25 @@ void Backend::Impl::plan_decode_family(const ForwardBatch& batch, Stream stream)
     }
   }
   if (device.type == DeviceType::kCPU || config.check_metadata) {
-    // The device tensors' values are visible here (on CUDA in the debug mode, by host copies):
-    // name the engine's argument that disagrees with the bounds planned from the host ones.
-    std::vector<int32_t> kv_copy, cu_copy;
-    const int32_t* kv = detail::readable_int32(p.kv_lens, batch_size, kv_copy, stream);
+    // The device tensors' values are visible here (on CUDA in the debug mode, by host copies
+    // checked as on the CPU): name the engine's argument that disagrees with the bounds planned
+    // from the host ones.
+    const std::vector<int32_t> kv =
+        detail::lengths_on_host(op, "batch.seq_lens", detail::first_rows(batch.seq_lens, batch_size),
+                                p.kv_lens, seq_len_offset, false, stream);
     const int64_t table_tokens = int64_t(width) * config.page_size;
     for (int b = 0; b < batch_size; ++b)
-      MLA_CHECK(kv[b] <= table_tokens, op, ": batch.seq_lens[", b, "] = ", kv[b] - seq_len_offset,
+      MLA_CHECK(kv[size_t(b)] <= table_tokens, op, ": batch.seq_lens[", b, "] = ", kv[size_t(b)] - seq_len_offset,
                 seq_len_offset ? " (plus the draft step offset)" : "", " does not fit the block table of ",
                 table_tokens, " tokens a request planned from ",
                 batch.seq_lens_cpu.empty() ? "max_context_len" : "batch.seq_lens_cpu (stale?)");
     if (draft_extend && device_q_lens && !host_q_lens) {
-      const int32_t* cu = detail::readable_int32(p.cu_q_lens, int64_t(batch_size) + 1, cu_copy, stream);
+      const std::vector<int32_t> cu = detail::lengths_on_host(
+          op, "batch.extend_seq_lens", detail::first_rows(batch.extend_seq_lens, batch_size), p.cu_q_lens,
+          0, true, stream);
       for (int b = 0; b < batch_size; ++b)
-        MLA_CHECK(cu[b + 1] - cu[b] <= p.max_q_len, op, ": batch.extend_seq_lens[", b, "] = ",
-                  cu[b + 1] - cu[b], " is more than the bound on the queries per request, ",
+        MLA_CHECK(cu[size_t(b) + 1] - cu[size_t(b)] <= p.max_q_len, op, ": batch.extend_seq_lens[", b, "] = ",
+                  cu[size_t(b) + 1] - cu[size_t(b)], " is more than the bound on the queries per request, ",
                   p.max_q_len, " (batch.num_draft_tokens or BackendConfig::num_draft_tokens)");
     }
   }
@@ -502,17 +520,21 @@ void Backend::Impl::plan_fixed(const char* op, int bs, int64_t num_tokens,
     detail::check_index_vector(op, "seq_lens", seq_lens, bs, config.device);
     detail::lengths_to_int32(op, "seq_lens", detail::first_rows(seq_lens, bs), seq_len_offset,
                              p.kv_lens, stream);
+    if (config.device.type == DeviceType::kCUDA && config.check_metadata)  // named as on the CPU
+      (void)detail::lengths_on_host(op, "seq_lens", detail::first_rows(seq_lens, bs), p.kv_lens,
+                                    seq_len_offset, false, stream);
     if (draft_extend && !extend_seq_lens.empty()) {
       detail::check_index_vector(op, "extend_seq_lens", extend_seq_lens, bs, config.device);
       detail::prefix_sum_int32(op, "extend_seq_lens", detail::first_rows(extend_seq_lens, bs),
                                p.cu_q_lens, stream);
       if (config.device.type == DeviceType::kCPU || config.check_metadata) {
-        // Readable here (on CUDA in the debug mode): name the count past the bound.
-        std::vector<int32_t> cu_copy;
-        const int32_t* cu = detail::readable_int32(p.cu_q_lens, int64_t(bs) + 1, cu_copy, stream);
+        // Readable here (on CUDA in the debug mode, checked as on the CPU): name the count past
+        // the bound.
+        const std::vector<int32_t> cu = detail::lengths_on_host(
+            op, "extend_seq_lens", detail::first_rows(extend_seq_lens, bs), p.cu_q_lens, 0, true, stream);
         for (int b = 0; b < bs; ++b)
-          MLA_CHECK(cu[b + 1] - cu[b] <= p.max_q_len, op, ": extend_seq_lens[", b, "] = ",
-                    cu[b + 1] - cu[b], " is more than the graph's queries per request, ",
+          MLA_CHECK(cu[size_t(b) + 1] - cu[size_t(b)] <= p.max_q_len, op, ": extend_seq_lens[", b, "] = ",
+                    cu[size_t(b) + 1] - cu[size_t(b)], " is more than the graph's queries per request, ",
                     p.max_q_len, " (BackendConfig::num_draft_tokens)");
       }
     } else if (draft_extend) {
@@ -688,11 +710,14 @@ void Backend::Impl::run_absorbed(const char* op, const ForwardBatch& batch, cons
     MLA_CHECK(num_tokens == p.num_tokens, op, ": ", q_name, " has ", num_tokens,
               " tokens but the plan for this ", forward_mode_name(p.mode), " batch has ",
               p.num_tokens);
-  // DRAFT_EXTEND planned from device lengths alone: where they are readable here (CPU tensors),
-  // their total is checked against the queries under the caller's names (the rows past it are a
-  // padded batch's: see zero_padding_rows below).
-  if (p.num_tokens < 0 && !p.cu_q_lens.empty() && p.cu_q_lens.device.type == DeviceType::kCPU) {
-    const int64_t planned = cpu::load_index(p.cu_q_lens, p.batch_size);
+  // DRAFT_EXTEND planned from device lengths alone: where they are readable here (CPU tensors, or
+  // a host copy in the debug mode), their total is checked against the queries under the caller's
+  // names (the rows past it are a padded batch's: see zero_padding_rows below).
+  if (p.num_tokens < 0 && !p.cu_q_lens.empty() &&
+      (p.cu_q_lens.device.type == DeviceType::kCPU || config.check_metadata)) {
+    int32_t planned = 0;
+    detail::copy_to_host(&planned, static_cast<const int32_t*>(p.cu_q_lens.data) + p.batch_size,
+                         sizeof(int32_t), p.cu_q_lens.device, stream);
     MLA_CHECK(planned <= num_tokens, op, ": batch.extend_seq_lens add up to ", planned,
               " query tokens but ", q_name, " has only ", num_tokens);
   }
@@ -936,9 +961,12 @@ void Backend::init_cuda_graph_state(int max_bs, int64_t max_num_tokens) {
   s.graph_block_table = base + at_block_table;
   s.graph_cu_q_lens = k > 0 ? base + at_cu_q : nullptr;
   s.graph_equal_cu_q_lens = k > 0 ? base + at_equal_cu_q : nullptr;
-  if (k > 0)
+  if (k > 0) {
+    // On the legacy default stream: waited for, so that a replay on any stream reads them.
     detail::copy_to_device(s.graph_equal_cu_q_lens, equal_cu_q.data(),
                            equal_cu_q.size() * sizeof(int32_t), s.config.device, nullptr);
+    detail::wait_for_stream(s.config.device, nullptr);
+  }
   s.graph_max_bs = max_bs;
   s.graph_max_num_tokens = max_num_tokens;
   s.graph_max_blocks = width;

@@ -42,10 +42,14 @@ void check_index_vector(const char* op, const char* name, const TensorView& t, i
 void check_host_lengths(const char* op, const char* name, std::span<const int32_t> values,
                         int64_t len);
 
-// The first n values of a contiguous int32 vector the Backend owns, readable on the host: the
-// vector itself on the CPU, a copy into `copy` on CUDA (which waits for the stream: only for
-// BackendConfig::check_metadata).
-const int32_t* readable_int32(const TensorView& values, int64_t n, std::vector<int32_t>& copy, Stream stream);
+// A plan's lengths on the host, for the checks that name the engine's arguments: on the CPU the
+// values the plan computed from `lens` (`computed`: lens + offset, or with prefix_sums the n + 1
+// cumulative offsets; already checked by lengths_to_int32 / prefix_sum_int32); on CUDA (only for
+// BackendConfig::check_metadata: it waits for the stream) the engine's `lens` copied back and put
+// through the same CPU helper, so that a bad value is named as on the CPU.
+std::vector<int32_t> lengths_on_host(const char* op, const char* name, const TensorView& lens,
+                                     const TensorView& computed, int32_t offset, bool prefix_sums,
+                                     Stream stream);
 
 // block_table [bs, width] = the pages (of page_size tokens) that hold seq_lens [bs] tokens of the
 // requests req_pool_indices [bs], from req_to_token (build_block_table; check_metadata: its

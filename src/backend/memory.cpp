@@ -144,6 +144,17 @@ void copy_to_host(void* host_dst, const void* src, size_t bytes, Device device, 
 #endif
 }
 
+void wait_for_stream(Device device, Stream stream) {
+  if (device.type == DeviceType::kCPU) return;
+#if defined(MLA_WITH_CUDA)
+  const cuda::DeviceGuard guard(device);
+  MLA_CUDA_CHECK(cudaStreamSynchronize(cuda::to_cuda(stream)));
+#else
+  (void)stream;
+  no_cuda("wait_for_stream", device);
+#endif
+}
+
 void fill_zero(void* dst, size_t bytes, Device device, Stream stream) {
   if (bytes == 0) return;
   if (device.type == DeviceType::kCPU) {

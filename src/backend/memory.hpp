@@ -47,6 +47,9 @@ void copy_on_device(void* dst, const void* src, size_t bytes, Device device, Str
 // otherwise).
 void copy_to_host(void* host_dst, const void* src, size_t bytes, Device device, Stream stream);
 void fill_zero(void* dst, size_t bytes, Device device, Stream stream);
+// Waits for the work queued on `stream` (on the CPU: nothing to wait for). For uploads made at
+// start-up on the legacy default stream, which does not order with non-blocking streams.
+void wait_for_stream(Device device, Stream stream);
 
 // out[b] = lens[b] + offset, as int32.   lens [B] int32/int64, out [B] int32 (contiguous).
 // On the CPU a result outside [0, 2^31 - 1] is an mla::Error naming op and `name` (the caller's

@@ -762,6 +762,15 @@ TEST(GpuBackend, CheckMetadataReportsLengthsPastTheBlockTable) {
   bad_request.req_pool_indices = d_bad_rpi.view();
   EXPECT_TRUE(throws_error([&] { saving.init_forward_metadata(bad_request, stream.get()); },
                            {"build_block_table: req_pool_indices[1] = 7", "out of range [0, 3)"}));
+
+  // A negative device length, named under the engine's argument as on the CPU.
+  HostTensor bad_seq = index_tensor(DType::kInt64, {301, -4});
+  DeviceCopy d_bad_seq(bad_seq);
+  ForwardBatch bad_length = good;
+  bad_length.seq_lens = d_bad_seq.view();
+  bad_length.seq_lens_cpu = {};
+  EXPECT_TRUE(throws_error([&] { saving.init_forward_metadata(bad_length, stream.get()); },
+                           {"batch.seq_lens[1] = -4", "is not a length of 0 to 2^31 - 1 tokens"}));
 }
 
 // The eager split-KV schedule grows by half again at least (a batch that grows a request a step

@@ -120,8 +120,8 @@ void build_block_table(const BuildBlockTableArgs& args, Stream stream) {
   p.batch_size = args.block_table.shape[0];
   p.max_blocks = args.block_table.shape[1];
   p.page_shift = page_shift;
+  if (args.check_metadata && p.batch_size > 0) check_inputs_on_host(args, to_cuda(stream));
   if (p.batch_size == 0 || p.max_blocks == 0) return;
-  if (args.check_metadata) check_inputs_on_host(args, to_cuda(stream));
 
   constexpr int kThreads = 128;
   const int64_t column_blocks = std::min<int64_t>((p.max_blocks + kThreads - 1) / kThreads, 64);
