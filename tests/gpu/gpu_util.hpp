@@ -273,4 +273,15 @@ template <typename Fn>
   return ::testing::AssertionSuccess();
 }
 
+// `enqueue(stream)` with a debug mode on (check_metadata: it waits for host copies) is refused
+// inside a CUDA-graph capture, with an error that names check_metadata.
+template <typename Fn>
+::testing::AssertionResult check_metadata_refused_during_capture(Fn&& enqueue) {
+  const ::testing::AssertionResult captured = run_in_cuda_graph(std::forward<Fn>(enqueue));
+  if (captured) return ::testing::AssertionFailure() << "captured and replayed without an error";
+  if (std::string(captured.message()).find("check_metadata") == std::string::npos)
+    return ::testing::AssertionFailure() << "the error does not name check_metadata: " << captured.message();
+  return ::testing::AssertionSuccess();
+}
+
 }  // namespace mla::test
