@@ -264,7 +264,7 @@ void run(const Binder& binder, Fn&& fn) {
 // ---- the ops ----------------------------------------------------------------------------------
 
 void append_latent_kv(const at::Tensor& k_nope, const at::Tensor& k_pe, const at::Tensor& loc,
-                      const at::Tensor& kv_cache, double k_scale) {
+                      const at::Tensor& kv_cache, double k_scale, bool check_metadata) {
   Binder bind("append_latent_kv");
   mla::AppendLatentKvArgs args;
   args.k_nope = bind(k_nope, {"k_nope", "[T, 512]", {-1, mla::kKvLoraRank}, kActDtypes});
@@ -273,12 +273,13 @@ void append_latent_kv(const at::Tensor& k_nope, const at::Tensor& k_pe, const at
   args.kv_cache = bind(kv_cache, {"kv_cache", "[P, S, 576]", {-1, -1, mla::kLatentDim},
                                   kCacheDtypes, Layout::kContiguous, true});
   args.k_scale = float(k_scale);
+  args.check_metadata = check_metadata;
   run(bind, [&](mla::Stream s) { mla::append_latent_kv(args, s); });
 }
 
 void build_block_table(const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                        const at::Tensor& seq_lens, int64_t page_size,
-                       const at::Tensor& block_table) {
+                       const at::Tensor& block_table, bool check_metadata) {
   constexpr const char* op = "build_block_table";
   Binder bind(op);
   mla::BuildBlockTableArgs args;
@@ -288,6 +289,7 @@ void build_block_table(const at::Tensor& req_to_token, const at::Tensor& req_poo
   args.block_table = bind(block_table, {"block_table", "[B, max_blocks]", {-1, -1}, kInt32,
                                         Layout::kInnerContiguous, true});
   args.page_size = to_int(op, "page_size", page_size);
+  args.check_metadata = check_metadata;
   run(bind, [&](mla::Stream s) { mla::build_block_table(args, s); });
 }
 
@@ -295,7 +297,7 @@ void rope_quantize(const at::Tensor& q_nope, const at::Tensor& q_pe, const OptTe
                    const OptTensor& k_pe, const at::Tensor& cos_sin_cache,
                    const at::Tensor& positions, bool is_neox, const at::Tensor& q_out,
                    const OptTensor& k_nope_out, const OptTensor& k_pe_out, double q_scale,
-                   double k_scale) {
+                   double k_scale, bool check_metadata) {
   Binder bind("rope_quantize");
   mla::RopeQuantizeArgs args;
   args.q_nope = bind(q_nope, {"q_nope", "[T, H, 512]", {-1, -1, mla::kKvLoraRank}, kActDtypes});
@@ -314,6 +316,7 @@ void rope_quantize(const at::Tensor& q_nope, const at::Tensor& q_pe, const OptTe
                                   Layout::kInnerContiguous, true});
   args.q_scale = float(q_scale);
   args.k_scale = float(k_scale);
+  args.check_metadata = check_metadata;
   run(bind, [&](mla::Stream s) { mla::rope_quantize(args, s); });
 }
 
@@ -360,7 +363,8 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
                 int64_t max_q_len, double softmax_scale, double q_scale, double k_scale,
                 const at::Tensor& out, const OptTensor& lse, const OptTensor& workspace,
                 int64_t workspace_max_batch, int64_t workspace_max_q_len, bool deterministic,
-                int64_t workspace_max_kv_len, int64_t workspace_split_keys, bool zero_padding_rows) {
+                int64_t workspace_max_kv_len, int64_t workspace_split_keys, bool zero_padding_rows,
+                bool check_metadata) {
   constexpr const char* op = "mla_decode";
   const bool has_q = q.has_value() && q->defined();
   const bool has_nope = q_nope.has_value() && q_nope->defined();
@@ -397,6 +401,7 @@ void mla_decode(const OptTensor& q, const OptTensor& q_nope, const OptTensor& q_
                                                Layout::kContiguous, true});
   args.deterministic = deterministic;
   args.zero_padding_rows = zero_padding_rows;
+  args.check_metadata = check_metadata;
   const int split_keys = to_int(op, "workspace_split_keys", workspace_split_keys);
   const int ws_max_kv_len = to_int(op, "workspace_max_kv_len", workspace_max_kv_len);
   if (ws.given && (split_keys < 0 || split_keys % 64 != 0))
@@ -459,7 +464,8 @@ int64_t decode_workspace_bytes(int64_t max_batch, int64_t max_q_len, int64_t num
 void mha_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& cu_q_lens, const at::Tensor& cu_kv_lens, int64_t max_q_len,
                  int64_t max_kv_len, bool causal, double softmax_scale, double q_scale,
-                 double k_scale, double v_scale, const at::Tensor& out, const OptTensor& lse) {
+                 double k_scale, double v_scale, const at::Tensor& out, const OptTensor& lse,
+                 bool check_metadata) {
   constexpr const char* op = "mha_prefill";
   Binder bind(op);
   mla::MhaPrefillArgs args;
@@ -478,6 +484,7 @@ void mha_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   args.out = bind(out, {"out", "[Tq, H, 128]", {-1, -1, 128}, kActDtypes,
                         Layout::kInnerContiguous, true});
   args.lse = bind(lse, {"lse", "[Tq, H]", {-1, -1}, kFloat32, Layout::kAny, true});
+  args.check_metadata = check_metadata;
   run(bind, [&](mla::Stream s) { mla::mha_prefill(args, s); });
 }
 
@@ -507,25 +514,27 @@ void cumulative_lengths(const at::Tensor& lens, const at::Tensor& cu) {
 
 TORCH_LIBRARY(mla, m) {
   m.def("append_latent_kv(Tensor k_nope, Tensor k_pe, Tensor loc, Tensor(a!) kv_cache, "
-        "float k_scale=1.0) -> ()");
+        "float k_scale=1.0, bool check_metadata=False) -> ()");
   m.def("build_block_table(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
-        "int page_size, Tensor(a!) block_table) -> ()");
+        "int page_size, Tensor(a!) block_table, bool check_metadata=False) -> ()");
   m.def("rope_quantize(Tensor q_nope, Tensor q_pe, Tensor? k_nope, Tensor? k_pe, "
         "Tensor cos_sin_cache, Tensor positions, bool is_neox, Tensor(a!) q_out, "
         "Tensor(b!)? k_nope_out, Tensor(c!)? k_pe_out, float q_scale=1.0, "
-        "float k_scale=1.0) -> ()");
+        "float k_scale=1.0, bool check_metadata=False) -> ()");
   m.def("mla_decode(Tensor? q, Tensor? q_nope, Tensor? q_pe, Tensor kv_cache, "
         "Tensor block_table, Tensor kv_lens, Tensor? cu_q_lens, int q_len, int max_q_len, "
         "float softmax_scale, float q_scale, float k_scale, Tensor(a!) out, "
         "Tensor(b!)? lse, Tensor(c!)? workspace=None, int workspace_max_batch=0, "
         "int workspace_max_q_len=0, bool deterministic=False, int workspace_max_kv_len=0, "
-        "int workspace_split_keys=0, bool zero_padding_rows=False) -> ()");
+        "int workspace_split_keys=0, bool zero_padding_rows=False, "
+        "bool check_metadata=False) -> ()");
   m.def("decode_workspace_bytes(int max_batch, int max_q_len, int num_heads, int max_kv_len=0, "
         "int split_keys=0) -> int",
         &mla_torch::decode_workspace_bytes);
   m.def("mha_prefill(Tensor q, Tensor k, Tensor v, Tensor cu_q_lens, Tensor cu_kv_lens, "
         "int max_q_len, int max_kv_len, bool causal, float softmax_scale, float q_scale, "
-        "float k_scale, float v_scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
+        "float k_scale, float v_scale, Tensor(a!) out, Tensor(b!)? lse, "
+        "bool check_metadata=False) -> ()");
   m.def("merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, "
         "Tensor(a!) out, Tensor(b!)? lse_out) -> ()");
   m.def("cumulative_lengths(Tensor lens, Tensor(a!) cu) -> ()");

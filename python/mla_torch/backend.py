@@ -328,7 +328,8 @@ class MlaBackend:
                  chunked_prefix_capacity: int = 65536, prefill_fp8: Optional[bool] = None,
                  skip_prefill: bool = False, step_offset: int = 0, use_split_kv: bool = True,
                  decode_workspace: Optional[ops.DecodeWorkspace] = None,
-                 deterministic: bool = False, deterministic_split_keys: int = 0):
+                 deterministic: bool = False, deterministic_split_keys: int = 0,
+                 check_metadata: bool = False):
         if kv_cache_dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
             raise ValueError(f"MlaBackend: kv_cache_dtype must be bfloat16, float16 or "
                              f"float8_e4m3fn, got {kv_cache_dtype}")
@@ -336,6 +337,9 @@ class MlaBackend:
             raise ValueError(f"MlaBackend: page_size must be a power of two in 1..128, got {page_size}")
         self.num_q_heads = num_q_heads
         self.page_size = page_size
+        # The ops' debug mode (ops.py): on CUDA each op's indices and lengths are copied to the
+        # host and checked before it writes (it waits for the stream: not for CUDA graphs).
+        self.check_metadata = bool(check_metadata)
         self.req_to_token = req_to_token
         self.token_to_kv_pool = token_to_kv_pool
         self.data_type = kv_cache_dtype
@@ -520,7 +524,8 @@ class MlaBackend:
                                       device=self.device)
             if bs > 0:
                 ops.build_block_table(self.req_to_token, forward_batch.req_pool_indices[:bs],
-                                      kv_lens, self.page_size, block_table)
+                                      kv_lens, self.page_size, block_table,
+                                      check_metadata=self.check_metadata)
         return DecodeMetadata(bs, block_table, kv_lens, cu_q_lens, q_len, max_q_len,
                               min(max_kv, self.max_context_len))
 
@@ -730,7 +735,7 @@ class MlaBackend:
             md.kv_lens.add_(self.step_offset)
         if build_block_table and bs > 0:
             ops.build_block_table(self.req_to_token, req_pool_indices[:bs], md.kv_lens,
-                                  self.page_size, md.block_table)
+                                  self.page_size, md.block_table, check_metadata=self.check_metadata)
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int,
                                                  req_pool_indices: Tensor, seq_lens: Tensor,
@@ -860,7 +865,7 @@ class MlaBackend:
                     q_nope, q_pe, cos_sin_cache, forward_batch.positions,
                     k_nope=k_nope if k_pe is not None else None,
                     k_pe=k_pe if k_nope is not None else None,
-                    is_neox=bool(is_neox), q_out_dtype=q_dtype)
+                    is_neox=bool(is_neox), q_out_dtype=q_dtype, check_metadata=self.check_metadata)
                 if k_rot_nope is not None:
                     k_nope, k_pe = k_rot_nope, k_rot_pe
                 q_nope = q_pe = None
@@ -879,7 +884,8 @@ class MlaBackend:
             if k_nope is None or k_pe is None:
                 raise ValueError("MlaBackend: save_kv_cache needs k (c_kv [T, 512] with k_rope "
                                  "[T, 64], or the whole latent [T, 576])")
-            ops.append_latent_kv(k_nope, k_pe, forward_batch.out_cache_loc, kv_cache, k_scale)
+            ops.append_latent_kv(k_nope, k_pe, forward_batch.out_cache_loc, kv_cache, k_scale,
+                                 check_metadata=self.check_metadata)
         # DRAFT_EXTEND's graphs run num_draft_tokens query rows a request while the kernel
         # attends the accepted ones (cu_q_lens from accept_length): the rows past them come out
         # 0 (zero_padding_rows), not the graph pool's leftovers.
@@ -890,7 +896,8 @@ class MlaBackend:
                        q_pe=q_pe, cu_q_lens=md.cu_q_lens, q_len=md.q_len or 1,
                        max_q_len=md.max_q_len, k_scale=k_scale, out=out,
                        deterministic=self.deterministic,
-                       zero_padding_rows=kind == _DRAFT_EXTEND and md.graph, **ws)
+                       zero_padding_rows=kind == _DRAFT_EXTEND and md.graph,
+                       check_metadata=self.check_metadata, **ws)
         return out.view(num_tokens, num_heads * self.kv_lora_rank)
 
     def forward_decode(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], layer: Any,
@@ -951,11 +958,13 @@ class MlaBackend:
             return ops.mha_prefill(
                 q, k, v, md.cu_q_lens, forward_batch.prefix_chunk_cu_seq_lens[c], layer.scaling,
                 max_q_len=md.max_q_len, max_kv_len=forward_batch.prefix_chunk_max_seq_lens[c],
-                causal=False, out_dtype=self.q_data_type, return_lse=True, **scales)
+                causal=False, out_dtype=self.q_data_type, return_lse=True,
+                check_metadata=self.check_metadata, **scales)
         return ops.mha_prefill(
             q, k, v, md.cu_q_lens, md.cu_q_lens, layer.scaling, max_q_len=md.max_q_len,
             max_kv_len=md.max_q_len, causal=True, out_dtype=self.q_data_type,
-            return_lse=bool(getattr(forward_batch, "mha_return_lse", False)), **scales)
+            return_lse=bool(getattr(forward_batch, "mha_return_lse", False)),
+            check_metadata=self.check_metadata, **scales)
 
     def forward(self, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], layer: Any,
                 forward_batch: Any, save_kv_cache: bool = True, **kwargs):
@@ -986,7 +995,8 @@ class MlaBackend:
         out_cache_loc, quantising for an fp8 cache."""
         ops.append_latent_kv(k_nope.reshape(-1, self.kv_lora_rank),
                              k_pe.reshape(-1, self.qk_rope_head_dim),
-                             forward_batch.out_cache_loc, self._kv_cache(layer), self._k_scale(layer))
+                             forward_batch.out_cache_loc, self._kv_cache(layer), self._k_scale(layer),
+                             check_metadata=self.check_metadata)
 
     def gather_prefix_chunk(self, layer: Any, forward_batch: Any, chunk_idx: int,
                             dtype: Optional[torch.dtype] = None):

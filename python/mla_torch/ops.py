@@ -27,12 +27,18 @@ QK_HEAD_DIM = QK_NOPE_HEAD_DIM + ROPE_DIM  # 192
 V_HEAD_DIM = 128
 FP8_E4M3_MAX = 448.0
 
+# The ops' check_metadata keyword is a debug mode (CUDA only: the CPU always checks): the op copies
+# its index and length tensors to the host and raises, naming the first bad value, before it
+# writes anything. It waits for the stream, so it raises inside a CUDA-graph capture. Without it
+# a bad value on CUDA is never read or written out of bounds, but it is not reported either.
+
 
 def append_latent_kv(k_nope: Tensor, k_pe: Tensor, loc: Tensor, kv_cache: Tensor,
-                     k_scale: float = 1.0) -> None:
+                     k_scale: float = 1.0, *, check_metadata: bool = False) -> None:
     """kv_cache[loc[t] // S, loc[t] % S] = k_nope[t] | k_pe[t] (quantised for an fp8 cache:
-    stored = saturate(x / k_scale)). loc < 0 skips the token."""
-    torch.ops.mla.append_latent_kv(k_nope, k_pe, loc, kv_cache, float(k_scale))
+    stored = saturate(x / k_scale)). loc -1 skips the token; any other slot outside the pool
+    raises on the CPU, and on CUDA is skipped (with check_metadata, the debug mode above, raises)."""
+    torch.ops.mla.append_latent_kv(k_nope, k_pe, loc, kv_cache, float(k_scale), bool(check_metadata))
 
 
 def _require_dims(op: str, name: str, t: Tensor, dims: int) -> None:
@@ -50,7 +56,7 @@ def _output_dtype(input_dtype: torch.dtype) -> torch.dtype:
 
 def build_block_table(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor,
                       page_size: int, block_table: Optional[Tensor] = None,
-                      max_blocks: Optional[int] = None) -> Tensor:
+                      max_blocks: Optional[int] = None, *, check_metadata: bool = False) -> Tensor:
     """block_table[b, j] = req_to_token[req_pool_indices[b], j * S] // S for the pages in use,
     -1 after. Allocates [B, max_blocks] (default: the full width of req_to_token) if not given."""
     if block_table is None:
@@ -62,7 +68,7 @@ def build_block_table(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: 
         block_table = torch.empty((req_pool_indices.shape[0], max_blocks), dtype=torch.int32,
                                   device=req_to_token.device)
     torch.ops.mla.build_block_table(req_to_token, req_pool_indices, seq_lens, int(page_size),
-                                    block_table)
+                                    block_table, bool(check_metadata))
     return block_table
 
 
@@ -72,7 +78,7 @@ def rope_quantize(q_nope: Tensor, q_pe: Tensor, cos_sin_cache: Tensor, positions
                   q_out_dtype: Optional[torch.dtype] = None,
                   k_nope_out: Optional[Tensor] = None, k_pe_out: Optional[Tensor] = None,
                   k_out_dtype: Optional[torch.dtype] = None, q_scale: float = 1.0,
-                  k_scale: float = 1.0):
+                  k_scale: float = 1.0, check_metadata: bool = False):
     """Rotary embedding of q_pe (and k_pe), q_out = q_nope | rope(q_pe) (576 wide), optional fp8
     outputs (stored = saturate(x / scale)). Returns (q_out, k_nope_out, k_pe_out); the k outputs
     are None without k_nope."""
@@ -90,7 +96,7 @@ def rope_quantize(q_nope: Tensor, q_pe: Tensor, cos_sin_cache: Tensor, positions
             k_pe_out = torch.empty((num_tokens, ROPE_DIM), dtype=k_dtype, device=k_nope.device)
     torch.ops.mla.rope_quantize(q_nope, q_pe, k_nope, k_pe, cos_sin_cache, positions,
                                 bool(is_neox), q_out, k_nope_out, k_pe_out, float(q_scale),
-                                float(k_scale))
+                                float(k_scale), bool(check_metadata))
     return q_out, k_nope_out, k_pe_out
 
 
@@ -103,7 +109,7 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
                workspace: Optional[Tensor] = None, workspace_max_batch: int = 0,
                workspace_max_q_len: int = 0, deterministic: bool = False,
                workspace_max_kv_len: int = 0, workspace_split_keys: int = 0,
-               zero_padding_rows: bool = False):
+               zero_padding_rows: bool = False, check_metadata: bool = False):
     """Absorbed attention over the paged latent cache (causal for q_len > 1). Queries as q
     [T, H, 576] or q_nope [T, H, 512] + q_pe [T, H, 64]. Returns out [T, H, 512], or (out, lse)
     when return_lse or lse is given.
@@ -122,7 +128,9 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
     zero_padding_rows (with cu_q_lens): the rows past cu_q_lens[B] of a padded batch (a CUDA
     graph captured at its largest query count) come out 0 with lse -inf, on CUDA written on the
     device after the attention. Without it CUDA leaves them as they were and the CPU refuses
-    cu_q_lens[B] below T."""
+    cu_q_lens[B] below T.
+
+    check_metadata: the debug mode described at the top of this module."""
     ref = q if q is not None else q_nope
     if ref is None:
         raise ValueError("mla_decode: give q or q_nope and q_pe")
@@ -138,7 +146,7 @@ def mla_decode(kv_cache: Tensor, block_table: Tensor, kv_lens: Tensor, softmax_s
                              float(k_scale), out, lse, workspace, int(workspace_max_batch),
                              int(workspace_max_q_len), bool(deterministic),
                              int(workspace_max_kv_len), int(workspace_split_keys),
-                             bool(zero_padding_rows))
+                             bool(zero_padding_rows), bool(check_metadata))
     return (out, lse) if lse is not None else out
 
 
@@ -208,7 +216,7 @@ def mha_prefill(q: Tensor, k: Tensor, v: Tensor, cu_q_lens: Tensor, cu_kv_lens: 
                 causal: bool = True, q_scale: float = 1.0, k_scale: float = 1.0,
                 v_scale: float = 1.0, out: Optional[Tensor] = None,
                 out_dtype: Optional[torch.dtype] = None, lse: Optional[Tensor] = None,
-                return_lse: bool = False):
+                return_lse: bool = False, check_metadata: bool = False):
     """Ragged non-absorbed attention (192-wide q/k, 128-wide v), causal bottom-right aligned.
     Returns out [Tq, H, 128], or (out, lse) when return_lse or lse is given."""
     _require_dims("mha_prefill", "q", q, 3)
@@ -219,7 +227,7 @@ def mha_prefill(q: Tensor, k: Tensor, v: Tensor, cu_q_lens: Tensor, cu_kv_lens: 
         lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
     torch.ops.mla.mha_prefill(q, k, v, cu_q_lens, cu_kv_lens, int(max_q_len), int(max_kv_len),
                               bool(causal), float(softmax_scale), float(q_scale), float(k_scale),
-                              float(v_scale), out, lse)
+                              float(v_scale), out, lse, bool(check_metadata))
     return (out, lse) if lse is not None else out
 
 

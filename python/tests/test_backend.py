@@ -506,6 +506,33 @@ def test_merged_query_and_latent_equal_split_ones(rope):
     assert torch.equal(results[1][1][:, 512:], k_pe) != rope  # roped in the cache with RoPE
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_check_metadata_debug_mode(device):
+    """MlaBackend(check_metadata=True): the same outputs (RoPE, save, decode) and, on CUDA, a new
+    token's cache slot past the pool raised by the save instead of skipped (the CPU always
+    raises); the backend's ops get the flag."""
+    layer = AttentionLayer(0, 4, 576, 512, 0.1)
+    kw = dict(cos_sin_cache=make_cos_sin_cache(64).to(device), is_neox=True)
+    q_nope, q_pe, c_kv, k_pe = (t.to(device) for t in rope_decode_inputs())
+    outs = []
+    for flag in (False, True):
+        backend, r2t = make_backend(device, check_metadata=flag)
+        assert backend.check_metadata == flag
+        fb = decode_with_slots(r2t, [0, 1], [5, 9])
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
+            setattr(fb, name, getattr(fb, name).to(device))
+        backend.init_forward_metadata(fb)
+        outs.append(backend.forward_decode(q_nope.reshape(2, -1), c_kv, None, layer, fb,
+                                           q_rope=q_pe.reshape(2, -1), k_rope=k_pe, **kw))
+        pool_slots = backend.token_to_kv_pool.get_key_buffer(0).shape[0]
+        fb.out_cache_loc = torch.tensor([3, pool_slots], dtype=torch.int64, device=device)
+        if flag or device == "cpu":
+            with pytest.raises(RuntimeError, match=rf"loc\[1\] = {pool_slots}"):
+                backend.forward_decode(q_nope.reshape(2, -1), c_kv, None, layer, fb,
+                                       q_rope=q_pe.reshape(2, -1), k_rope=k_pe, **kw)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_forward_entry_and_verify_hooks():
     """forward() dispatches by mode as an engine's attention layer calls it; the verify hooks say
     there is nothing to fill."""

@@ -381,6 +381,89 @@ def test_mha_prefill(device, gen, heads, q_lens, kv_lens, causal, dtype):
     assert_close(lse, lse_ref, *LSE_TOL, "lse")
 
 
+# ---- check_metadata -----------------------------------------------------------------------------
+
+def test_check_metadata(device, gen):
+    """The debug mode of each op: a bad index or length raises naming it, before anything is
+    written (the CPU always checks; CUDA only with check_metadata, which otherwise never reads or
+    writes out of bounds and reports nothing); good input gives the same result with it."""
+    cuda = device == "cuda"
+
+    def raises(call, fragment, flag_needed=True):
+        with pytest.raises(RuntimeError, match=fragment):
+            call(True)
+        if cuda and flag_needed:
+            call(False)  # not reported without the debug mode
+            torch.cuda.synchronize()
+        elif not cuda:
+            with pytest.raises(RuntimeError, match=fragment):
+                call(False)
+
+    # append_latent_kv: a slot past the pool of 4 pages of 8.
+    cache = torch.full((4, 8, LATENT), float("nan"), dtype=torch.bfloat16, device=device)
+    k_nope = torch.randn(3, NOPE, generator=gen).to(torch.bfloat16).to(device)
+    k_pe = torch.randn(3, ROPE, generator=gen).to(torch.bfloat16).to(device)
+    bad_loc = torch.tensor([3, 32, 5], dtype=torch.int64, device=device)
+    raises(lambda flag: ops.append_latent_kv(k_nope, k_pe, bad_loc, cache.clone(),
+                                             check_metadata=flag), r"loc\[1\] = 32")
+    checked = cache.clone()
+    loc = torch.tensor([3, 31, 5], dtype=torch.int64, device=device)
+    ops.append_latent_kv(k_nope, k_pe, loc, checked, check_metadata=True)
+    plain = cache.clone()
+    ops.append_latent_kv(k_nope, k_pe, loc, plain)
+    assert torch.equal(checked.view(-1).view(torch.int16), plain.view(-1).view(torch.int16))
+
+    # build_block_table: a request index past the 3 rows of req_to_token.
+    req_to_token = torch.arange(3 * 40, dtype=torch.int32, device=device).view(3, 40)
+    seq_lens = torch.tensor([9, 17], dtype=torch.int32, device=device)
+    table = torch.full((2, 5), 7, dtype=torch.int32, device=device)
+    raises(lambda flag: ops.build_block_table(req_to_token, torch.tensor([0, 3], device=device),
+                                              seq_lens, 8, table, check_metadata=flag),
+           r"req_pool_indices\[1\] = 3")
+    good = ops.build_block_table(req_to_token, torch.tensor([2, 1], device=device), seq_lens, 8,
+                                 check_metadata=True)
+    assert torch.equal(good, ops.build_block_table(req_to_token, torch.tensor([2, 1], device=device),
+                                                   seq_lens, 8))
+
+    # rope_quantize: a position past the 16 rows of the cos/sin cache.
+    q_nope = torch.randn(2, 4, NOPE, generator=gen).to(torch.bfloat16).to(device)
+    q_pe = torch.randn(2, 4, ROPE, generator=gen).to(torch.bfloat16).to(device)
+    cos_sin = make_cos_sin_cache(16).to(device)
+    raises(lambda flag: ops.rope_quantize(q_nope, q_pe, cos_sin, torch.tensor([1, 16], device=device),
+                                          check_metadata=flag), r"positions\[1\] = 16")
+    positions = torch.tensor([1, 15], device=device)
+    a = ops.rope_quantize(q_nope, q_pe, cos_sin, positions, check_metadata=True)[0]
+    b = ops.rope_quantize(q_nope, q_pe, cos_sin, positions)[0]
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    # mla_decode: a length past its block table (2 pages of 8).
+    kv_cache = torch.randn(4, 8, LATENT, generator=gen).to(torch.bfloat16).to(device)
+    block_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    q = torch.randn(2, 4, LATENT, generator=gen).to(torch.bfloat16).to(device)
+    raises(lambda flag: ops.mla_decode(kv_cache, block_table,
+                                       torch.tensor([5, 17], dtype=torch.int32, device=device),
+                                       0.1, q=q, max_q_len=1, check_metadata=flag),
+           r"kv_lens\[1\]")
+    kv_lens = torch.tensor([5, 16], dtype=torch.int32, device=device)
+    a = ops.mla_decode(kv_cache, block_table, kv_lens, 0.1, q=q, max_q_len=1, check_metadata=True)
+    b = ops.mla_decode(kv_cache, block_table, kv_lens, 0.1, q=q, max_q_len=1)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    # mha_prefill: key offsets that end past the 6 keys given.
+    qp = torch.randn(5, 2, 192, generator=gen).to(torch.bfloat16).to(device)
+    kp = torch.randn(6, 2, 192, generator=gen).to(torch.bfloat16).to(device)
+    vp = torch.randn(6, 2, 128, generator=gen).to(torch.bfloat16).to(device)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    raises(lambda flag: ops.mha_prefill(qp, kp, vp, cu_q, torch.tensor([0, 3, 7], dtype=torch.int32,
+                                                                       device=device),
+                                        0.1, max_q_len=3, max_kv_len=4, check_metadata=flag),
+           "cu_kv_lens")
+    cu_kv = torch.tensor([0, 3, 6], dtype=torch.int32, device=device)
+    a = ops.mha_prefill(qp, kp, vp, cu_q, cu_kv, 0.1, max_q_len=3, max_kv_len=3, check_metadata=True)
+    b = ops.mha_prefill(qp, kp, vp, cu_q, cu_kv, 0.1, max_q_len=3, max_kv_len=3)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 # ---- merge_states -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
