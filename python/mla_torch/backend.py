@@ -226,22 +226,33 @@ def _attention_tp_size(model_runner: Any) -> int:
 _INT32_MAX = 2**31 - 1
 
 
-def _check_host_lengths(name: str, lens: Any, bs: int, offset: int = 0) -> None:
+def _check_host_lengths(name: str, lens: Any, bs: int, offset: int = 0,
+                        allow_short: bool = True) -> Optional[List[int]]:
     """Lengths the host can see (a *_cpu list or tensor, or a CPU tensor) must fit the kernels'
-    int32 lengths; device tensors are not read here (that would synchronise)."""
-    if lens is None or bs == 0:
-        return
+    int32 lengths; device tensors are not read here (that would synchronise). Returns the first
+    bs of them as Python ints (_host_list), or None for device tensors and absent lengths."""
+    if lens is None:
+        return None
     if isinstance(lens, Tensor) and lens.device.type != "cpu":
-        return
-    values = _host_list(lens, bs, name, allow_short=True)
+        return None
+    values = _host_list(lens, bs, name, allow_short=allow_short)
     if not values:
-        return
+        return values
     lo, hi = min(values), max(values)
     if lo < 0 or hi + offset > _INT32_MAX:
         bad = lo if lo < 0 else hi
         raise ValueError(f"MlaBackend: {name} holds {bad}"
                          f"{' (plus the offset ' + str(offset) + ')' if offset else ''}; lengths "
                          f"must be in [0, 2^31 - 1]")
+    return values
+
+
+def _host_lengths(name: str, lens: Any, bs: int, offset: int = 0,
+                  allow_short: bool = False) -> Optional[List[int]]:
+    """The first bs lengths of a *_cpu attribute as Python ints, checked (_check_host_lengths);
+    a device tensor given there is read as it is (None stays None)."""
+    values = _check_host_lengths(name, lens, bs, offset, allow_short)
+    return values if values is not None or lens is None else _host_list(lens, bs, name, allow_short)
 
 
 def _host_list(lens: Any, bs: int, name: str, allow_short: bool = False) -> Optional[List[int]]:
@@ -492,8 +503,6 @@ class MlaBackend:
         bs = int(forward_batch.batch_size)
         seq_lens = forward_batch.seq_lens[:bs]
         seq_lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
-        host_max = (max(_host_list(seq_lens_cpu, bs, "seq_lens_cpu", allow_short=True), default=1)
-                    if seq_lens_cpu is not None and bs > 0 else None)
         cu_q_lens = None
         q_len = max_q_len = 1
         # Keys a request attends = seq_lens + offset.
@@ -503,10 +512,9 @@ class MlaBackend:
             offset, q_len = 0, 0
             cu_q_lens = _cu_lens(_extend_lens(forward_batch, bs))
             lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
-            _check_host_lengths("extend_seq_lens_cpu", lens_cpu, bs)
+            q_lens_host = _host_lengths("extend_seq_lens_cpu", lens_cpu, bs, allow_short=True)
             if lens_cpu is not None:
-                max_q_len = max(_host_list(lens_cpu, bs, "extend_seq_lens_cpu", allow_short=True),
-                                default=0)
+                max_q_len = max(q_lens_host, default=0)
             elif kind == _DRAFT_EXTEND and self.num_draft_tokens:
                 max_q_len = self.num_draft_tokens
             else:
@@ -514,7 +522,8 @@ class MlaBackend:
         else:  # decode, idle
             offset = self.step_offset if step_offset is None else step_offset
         _check_host_lengths("seq_lens", seq_lens, bs, offset)
-        _check_host_lengths("seq_lens_cpu", seq_lens_cpu, bs, offset)
+        seq_lens_host = _host_lengths("seq_lens_cpu", seq_lens_cpu, bs, offset, allow_short=True)
+        host_max = max(seq_lens_host, default=1) if seq_lens_host is not None and bs > 0 else None
         kv_lens = (seq_lens + offset).to(torch.int32) if offset else seq_lens.to(torch.int32)
         max_kv = host_max + offset if host_max is not None else self.max_context_len
         if block_table is None:
@@ -536,8 +545,7 @@ class MlaBackend:
             raise ValueError("MlaBackend: EXTEND is planned from host lengths: "
                              "extend_seq_lens_cpu is required")
         # Host lengths come as lists or CPU tensors (e.g. extend_prefix_lens.cpu()).
-        _check_host_lengths("extend_seq_lens_cpu", lens_cpu, bs)
-        extend_cpu = _host_list(lens_cpu, bs, "extend_seq_lens_cpu")
+        extend_cpu = _host_lengths("extend_seq_lens_cpu", lens_cpu, bs)
         prefix_cpu = self._host_prefix_lens(forward_batch, bs, extend_cpu)
         has_prefix = any(p > 0 for p in prefix_cpu)
         use_chunked = has_prefix and not self.disable_chunked_prefix_cache
@@ -556,12 +564,10 @@ class MlaBackend:
         else seq_lens_cpu - extend_seq_lens_cpu, checked against both where both are given: a
         prefix taken as 0 by mistake would attend the new tokens alone without an error."""
         prefix_given = getattr(forward_batch, "extend_prefix_lens_cpu", None)
-        _check_host_lengths("extend_prefix_lens_cpu", prefix_given, bs)
-        seq_given = getattr(forward_batch, "seq_lens_cpu", None)
-        _check_host_lengths("seq_lens_cpu", seq_given, bs)
-        seq_cpu = _host_list(seq_given, bs, "seq_lens_cpu")
+        prefix_host = _host_lengths("extend_prefix_lens_cpu", prefix_given, bs)
+        seq_cpu = _host_lengths("seq_lens_cpu", getattr(forward_batch, "seq_lens_cpu", None), bs)
         if prefix_given is not None:
-            prefix_cpu = _host_list(prefix_given, bs, "extend_prefix_lens_cpu")
+            prefix_cpu = prefix_host
         elif seq_cpu is not None:
             prefix_cpu = [n - e for n, e in zip(seq_cpu, extend_cpu)]
         else:
