@@ -522,8 +522,9 @@ class MlaBackend:
         else:  # decode, idle
             offset = self.step_offset if step_offset is None else step_offset
         _check_host_lengths("seq_lens", seq_lens, bs, offset)
-        seq_lens_host = _host_lengths("seq_lens_cpu", seq_lens_cpu, bs, offset, allow_short=True)
-        host_max = max(seq_lens_host, default=1) if seq_lens_host is not None and bs > 0 else None
+        seq_lens_host = (_host_lengths("seq_lens_cpu", seq_lens_cpu, bs, offset, allow_short=True)
+                         if bs > 0 else None)
+        host_max = max(seq_lens_host, default=1) if seq_lens_host is not None else None
         kv_lens = (seq_lens + offset).to(torch.int32) if offset else seq_lens.to(torch.int32)
         max_kv = host_max + offset if host_max is not None else self.max_context_len
         if block_table is None:

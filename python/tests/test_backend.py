@@ -509,8 +509,8 @@ def test_merged_query_and_latent_equal_split_ones(rope):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 def test_check_metadata_debug_mode(device):
     """MlaBackend(check_metadata=True): the same outputs (RoPE, save, decode) and, on CUDA, a new
-    token's cache slot past the pool raised by the save instead of skipped (the CPU always
-    raises); the backend's ops get the flag."""
+    token's cache slot past the pool raised by the save instead of skipped, and a position past
+    the cos/sin cache raised by the rope instead of NaN rows (the CPU always raises both)."""
     layer = AttentionLayer(0, 4, 576, 512, 0.1)
     kw = dict(cos_sin_cache=make_cos_sin_cache(64).to(device), is_neox=True)
     q_nope, q_pe, c_kv, k_pe = (t.to(device) for t in rope_decode_inputs())
@@ -528,6 +528,13 @@ def test_check_metadata_debug_mode(device):
         fb.out_cache_loc = torch.tensor([3, pool_slots], dtype=torch.int64, device=device)
         if flag or device == "cpu":
             with pytest.raises(RuntimeError, match=rf"loc\[1\] = {pool_slots}"):
+                backend.forward_decode(q_nope.reshape(2, -1), c_kv, None, layer, fb,
+                                       q_rope=q_pe.reshape(2, -1), k_rope=k_pe, **kw)
+            fb = decode_with_slots(r2t, [0, 1], [5, 9])
+            for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
+                setattr(fb, name, getattr(fb, name).to(device))
+            fb.positions = torch.tensor([4, 64], device=device)  # the cos/sin cache has 64 rows
+            with pytest.raises(RuntimeError, match=r"positions\[1\] = 64"):
                 backend.forward_decode(q_nope.reshape(2, -1), c_kv, None, layer, fb,
                                        q_rope=q_pe.reshape(2, -1), k_rope=k_pe, **kw)
     assert torch.equal(outs[0], outs[1])

@@ -389,13 +389,20 @@ def test_check_metadata(device, gen):
     writes out of bounds and reports nothing); good input gives the same result with it."""
     cuda = device == "cuda"
 
-    def raises(call, fragment, flag_needed=True):
+    def bits(t):
+        return t.contiguous().view(torch.uint8).clone()
+
+    def raises(call, fragment, target):
+        """call(flag) writes into target: with the flag it raises and leaves target as it was;
+        without it the CPU raises too, CUDA does not (it reports nothing)."""
+        before = bits(target)
         with pytest.raises(RuntimeError, match=fragment):
             call(True)
-        if cuda and flag_needed:
-            call(False)  # not reported without the debug mode
+        assert torch.equal(bits(target), before), "written before the error"
+        if cuda:
+            call(False)
             torch.cuda.synchronize()
-        elif not cuda:
+        else:
             with pytest.raises(RuntimeError, match=fragment):
                 call(False)
 
@@ -404,8 +411,9 @@ def test_check_metadata(device, gen):
     k_nope = torch.randn(3, NOPE, generator=gen).to(torch.bfloat16).to(device)
     k_pe = torch.randn(3, ROPE, generator=gen).to(torch.bfloat16).to(device)
     bad_loc = torch.tensor([3, 32, 5], dtype=torch.int64, device=device)
-    raises(lambda flag: ops.append_latent_kv(k_nope, k_pe, bad_loc, cache.clone(),
-                                             check_metadata=flag), r"loc\[1\] = 32")
+    target = cache.clone()
+    raises(lambda flag: ops.append_latent_kv(k_nope, k_pe, bad_loc, target, check_metadata=flag),
+           r"loc\[1\] = 32", target)
     checked = cache.clone()
     loc = torch.tensor([3, 31, 5], dtype=torch.int64, device=device)
     ops.append_latent_kv(k_nope, k_pe, loc, checked, check_metadata=True)
@@ -419,7 +427,7 @@ def test_check_metadata(device, gen):
     table = torch.full((2, 5), 7, dtype=torch.int32, device=device)
     raises(lambda flag: ops.build_block_table(req_to_token, torch.tensor([0, 3], device=device),
                                               seq_lens, 8, table, check_metadata=flag),
-           r"req_pool_indices\[1\] = 3")
+           r"req_pool_indices\[1\] = 3", table)
     good = ops.build_block_table(req_to_token, torch.tensor([2, 1], device=device), seq_lens, 8,
                                  check_metadata=True)
     assert torch.equal(good, ops.build_block_table(req_to_token, torch.tensor([2, 1], device=device),
@@ -429,8 +437,10 @@ def test_check_metadata(device, gen):
     q_nope = torch.randn(2, 4, NOPE, generator=gen).to(torch.bfloat16).to(device)
     q_pe = torch.randn(2, 4, ROPE, generator=gen).to(torch.bfloat16).to(device)
     cos_sin = make_cos_sin_cache(16).to(device)
+    q_out = torch.full((2, 4, LATENT), float("nan"), dtype=torch.bfloat16, device=device)
     raises(lambda flag: ops.rope_quantize(q_nope, q_pe, cos_sin, torch.tensor([1, 16], device=device),
-                                          check_metadata=flag), r"positions\[1\] = 16")
+                                          q_out=q_out, check_metadata=flag),
+           r"positions\[1\] = 16", q_out)
     positions = torch.tensor([1, 15], device=device)
     a = ops.rope_quantize(q_nope, q_pe, cos_sin, positions, check_metadata=True)[0]
     b = ops.rope_quantize(q_nope, q_pe, cos_sin, positions)[0]
@@ -440,10 +450,11 @@ def test_check_metadata(device, gen):
     kv_cache = torch.randn(4, 8, LATENT, generator=gen).to(torch.bfloat16).to(device)
     block_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
     q = torch.randn(2, 4, LATENT, generator=gen).to(torch.bfloat16).to(device)
+    out = torch.full((2, 4, NOPE), float("nan"), dtype=torch.bfloat16, device=device)
     raises(lambda flag: ops.mla_decode(kv_cache, block_table,
                                        torch.tensor([5, 17], dtype=torch.int32, device=device),
-                                       0.1, q=q, max_q_len=1, check_metadata=flag),
-           r"kv_lens\[1\]")
+                                       0.1, q=q, max_q_len=1, out=out, check_metadata=flag),
+           r"kv_lens\[1\]", out)
     kv_lens = torch.tensor([5, 16], dtype=torch.int32, device=device)
     a = ops.mla_decode(kv_cache, block_table, kv_lens, 0.1, q=q, max_q_len=1, check_metadata=True)
     b = ops.mla_decode(kv_cache, block_table, kv_lens, 0.1, q=q, max_q_len=1)
@@ -454,10 +465,12 @@ def test_check_metadata(device, gen):
     kp = torch.randn(6, 2, 192, generator=gen).to(torch.bfloat16).to(device)
     vp = torch.randn(6, 2, 128, generator=gen).to(torch.bfloat16).to(device)
     cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    out_p = torch.full((5, 2, 128), float("nan"), dtype=torch.bfloat16, device=device)
     raises(lambda flag: ops.mha_prefill(qp, kp, vp, cu_q, torch.tensor([0, 3, 7], dtype=torch.int32,
                                                                        device=device),
-                                        0.1, max_q_len=3, max_kv_len=4, check_metadata=flag),
-           "cu_kv_lens")
+                                        0.1, max_q_len=3, max_kv_len=4, out=out_p,
+                                        check_metadata=flag),
+           "cu_kv_lens", out_p)
     cu_kv = torch.tensor([0, 3, 6], dtype=torch.int32, device=device)
     a = ops.mha_prefill(qp, kp, vp, cu_q, cu_kv, 0.1, max_q_len=3, max_kv_len=3, check_metadata=True)
     b = ops.mha_prefill(qp, kp, vp, cu_q, cu_kv, 0.1, max_q_len=3, max_kv_len=3)
