@@ -80,6 +80,13 @@ std::vector<int32_t> lengths_on_host(const char* op, const char* name, const Ten
   return out;
 }
 
+void check_query_counts(const char* op, const char* name, const std::vector<int32_t>& cu, int bound,
+                        const char* bound_what, const char* bound_source) {
+  for (size_t b = 0; b + 1 < cu.size(); ++b)
+    MLA_CHECK(cu[b + 1] - cu[b] <= bound, op, ": ", name, "[", b, "] = ", cu[b + 1] - cu[b],
+              " is more than ", bound_what, ", ", bound, " (", bound_source, ")");
+}
+
 void fill_block_table(const TensorView& req_to_token, const TensorView& req_pool_indices,
                       const TensorView& seq_lens, int page_size, const TensorView& block_table,
                       bool check_metadata, Stream stream) {
@@ -341,13 +348,13 @@ void Backend::Impl::plan_decode_family(const ForwardBatch& batch, Stream stream)
                 table_tokens, " tokens a request planned from ",
                 batch.seq_lens_cpu.empty() ? "max_context_len" : "batch.seq_lens_cpu (stale?)");
     if (draft_extend && device_q_lens && !host_q_lens) {
-      const std::vector<int32_t> cu = detail::lengths_on_host(
-          op, "batch.extend_seq_lens", detail::first_rows(batch.extend_seq_lens, batch_size), p.cu_q_lens,
-          0, true, stream);
-      for (int b = 0; b < batch_size; ++b)
-        MLA_CHECK(cu[size_t(b) + 1] - cu[size_t(b)] <= p.max_q_len, op, ": batch.extend_seq_lens[", b, "] = ",
-                  cu[size_t(b) + 1] - cu[size_t(b)], " is more than the bound on the queries per request, ",
-                  p.max_q_len, " (batch.num_draft_tokens or BackendConfig::num_draft_tokens)");
+      detail::check_query_counts(
+          op, "batch.extend_seq_lens",
+          detail::lengths_on_host(op, "batch.extend_seq_lens",
+                                  detail::first_rows(batch.extend_seq_lens, batch_size), p.cu_q_lens, 0,
+                                  true, stream),
+          p.max_q_len, "the bound on the queries per request",
+          "batch.num_draft_tokens or BackendConfig::num_draft_tokens");
     }
   }
   p.max_blocks = width;
@@ -530,12 +537,11 @@ void Backend::Impl::plan_fixed(const char* op, int bs, int64_t num_tokens,
       if (config.device.type == DeviceType::kCPU || config.check_metadata) {
         // Readable here (on CUDA in the debug mode, checked as on the CPU): name the count past
         // the bound.
-        const std::vector<int32_t> cu = detail::lengths_on_host(
-            op, "extend_seq_lens", detail::first_rows(extend_seq_lens, bs), p.cu_q_lens, 0, true, stream);
-        for (int b = 0; b < bs; ++b)
-          MLA_CHECK(cu[size_t(b) + 1] - cu[size_t(b)] <= p.max_q_len, op, ": extend_seq_lens[", b, "] = ",
-                    cu[size_t(b) + 1] - cu[size_t(b)], " is more than the graph's queries per request, ",
-                    p.max_q_len, " (BackendConfig::num_draft_tokens)");
+        detail::check_query_counts(
+            op, "extend_seq_lens",
+            detail::lengths_on_host(op, "extend_seq_lens", detail::first_rows(extend_seq_lens, bs),
+                                    p.cu_q_lens, 0, true, stream),
+            p.max_q_len, "the graph's queries per request", "BackendConfig::num_draft_tokens");
       }
     } else if (draft_extend) {
       detail::copy_on_device(graph_cu_q_lens, graph_equal_cu_q_lens,

@@ -51,6 +51,11 @@ std::vector<int32_t> lengths_on_host(const char* op, const char* name, const Ten
                                      const TensorView& computed, int32_t offset, bool prefix_sums,
                                      Stream stream);
 
+// Each request's queries (cu: the n + 1 offsets lengths_on_host gives) at most `bound`, else
+// mla::Error naming name[b] and where the bound came from.
+void check_query_counts(const char* op, const char* name, const std::vector<int32_t>& cu, int bound,
+                        const char* bound_what, const char* bound_source);
+
 // block_table [bs, width] = the pages (of page_size tokens) that hold seq_lens [bs] tokens of the
 // requests req_pool_indices [bs], from req_to_token (build_block_table; check_metadata: its
 // debug mode, BackendConfig::check_metadata).
