@@ -35,6 +35,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda/cuda_ops.hpp"
@@ -1274,6 +1275,63 @@ TEST(GpuDecodeHopper, ManyItemsPerCta) {
   check_case(e);
 }
 
+// An fp8 cache on the narrow consumers: the raw stage, its producer running up to an item ahead
+// and the converter. Queries of both 16-bit dtypes, every page size, lengths around tiles and
+// pages (the raw stage's boxes of pages of 16 and 32, the zero-filled rows past a request),
+// every row count up to 16 (heads x queries), variable query lengths, many items a CTA, a very
+// long request; the split and unsplit modes, k_scale != 1, NaN in unused cache slots.
+TEST(GpuDecodeHopper, Fp8CacheNarrowTiles) {
+  MLA_REQUIRE_HOPPER();
+  const auto fp8_case = [](int heads, int page, std::vector<int> lens, int q_len, DType q) {
+    DecodeCase c = hopper_case(heads, page, std::move(lens), q_len);
+    c.q_dtype = q;
+    c.kv_dtype = DType::kFP8E4M3;
+    c.out_dtype = q == DType::kFP16 ? DType::kFP32 : DType::kBF16;
+    c.k_scale = 0.0125f;
+    return c;
+  };
+  const std::vector<int> lens = {1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 191, 192, 193, 700, 0};
+  for (int page : {16, 32, 64, 128}) {
+    for (DType q : {DType::kBF16, DType::kFP16}) {
+      DecodeCase c = fp8_case(16, page, lens, 1, q);
+      c.seed = uint64_t(26000 + page + int(q));
+      check_case(c, /*both_modes=*/true);
+    }
+  }
+  for (const auto& [heads, q_len] : {std::pair{1, 1}, std::pair{12, 1}, std::pair{8, 2}, std::pair{5, 3}}) {
+    DecodeCase c = fp8_case(heads, 64, {0, 1, 2, 70, 700, 2049}, q_len, DType::kBF16);
+    c.split_q = heads == 12;
+    c.q_pad = 8;
+    c.seed = uint64_t(26200 + 10 * heads + q_len);
+    check_case(c, /*both_modes=*/true);
+  }
+  DecodeCase v = fp8_case(8, 64, {70, 5, 1, 4000, 129, 64}, 1, DType::kBF16);
+  v.q_lens = {2, 0, 1, 2, 1, 2};
+  v.use_cu_q_lens = true;
+  v.seed = 26300;
+  check_case(v, /*both_modes=*/true);
+  DecodeCase m = fp8_case(16, 64, {0, 1, 64, 65, 128, 129, 700, 33, 0, 256, 5, 191, 192, 2, 0, 300, 64, 1000, 7, 130},
+                          1, DType::kFP16);
+  m.num_parts = 3;
+  m.seed = 26400;
+  check_case(m);
+  DecodeCase l = fp8_case(16, 64, {131072}, 1, DType::kBF16);
+  l.seed = 26500;
+  check_case(l, /*both_modes=*/true);
+}
+
+// Small enough for the race checker: an fp8 cache on the narrow consumers, pages of 32, split
+// keys over a few CTAs (item changes with the raw stage in flight).
+TEST(GpuDecodeHopper, Fp8CacheSmall) {
+  MLA_REQUIRE_HOPPER();
+  DecodeCase c = hopper_case(16, 32, {130, 7, 0, 65, 200});
+  c.kv_dtype = DType::kFP8E4M3;
+  c.k_scale = 0.02f;
+  c.num_parts = 3;
+  c.seed = 26600;
+  check_case(c, /*both_modes=*/true);
+}
+
 TEST(GpuDecodeGraph, CaptureAndReplayWithNewLengths) {
   MLA_REQUIRE_GPU();
   constexpr int kMaxBatch = 16, kHeads = 16, kPageSize = 32, kMaxBlocks = 64, kMaxQLen = 4;
@@ -1590,7 +1648,26 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
   MlaDecodeArgs fa = fdev.args(fd);
   EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"DecodeKernel::kHopper"}));
   if (hopper_expected()) {
-    EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"kv_cache is fp8e4m3", "not bf16 or fp16"}));
+    EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"query is fp8e4m3", "not bf16 or fp16"}));
+    // An fp8 cache with a 16-bit query: tiles of at most 16 rows (the narrow consumers) only.
+    for (const auto& [heads, q_len, deterministic, applies] :
+         {std::tuple{16, 1, false, true}, std::tuple{8, 2, false, true}, std::tuple{16, 2, false, false},
+          std::tuple{128, 1, false, false}, std::tuple{16, 1, true, false}}) {
+      DecodeCase b = fixed(heads, 64, {5, 9}, q_len);
+      b.kv_dtype = DType::kFP8E4M3;
+      b.kernel = DecodeKernel::kHopper;
+      b.deterministic = deterministic;
+      const DecodeData bd = make_data(b);
+      DeviceData bdev(bd);
+      const MlaDecodeArgs ba = bdev.args(bd);
+      if (applies) {
+        EXPECT_STREQ(mla_decode_kernel_name(ba), "sm90-wgmma") << heads << " heads, q_len " << q_len;
+      } else {
+        EXPECT_TRUE(throws_error([&] { mla_decode_kernel_name(ba); },
+                                 {"DecodeKernel::kHopper", "kv_cache is fp8e4m3", "at most 16 rows"}))
+            << heads << " heads, q_len " << q_len << (deterministic ? ", deterministic" : "");
+      }
+    }
     // kAuto: the Hopper kernel from 17 query rows a request on; at 16 or fewer, the portable one
     // for few key tiles an SM (below), unless kHopper asks for the Hopper kernel.
     for (const auto& [heads, q_len, name] : {std::tuple{16, 2, "sm90-wgmma"}, std::tuple{128, 1, "sm90-wgmma"},

@@ -30,6 +30,7 @@ struct BenchCase {
   int q_len = 1;                  // decode: queries per request
   int page_size = 64;             // decode: tokens per page
   DType kv_dtype = DType::kBF16;  // decode: cache (and query) dtype; prefill: q/k/v dtype
+  std::optional<DType> q_dtype;   // decode: the query's dtype where it differs from the cache's
   int64_t tokens = 1024;          // prefill: total new tokens over all requests
 };
 std::string describe(const BenchCase& c);  // "decode b=64 h=128 kv=4096 q=1 page=64 bf16"

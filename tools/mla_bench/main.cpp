@@ -43,6 +43,8 @@ each result against a float64 naive computation. Without case options it runs --
   --q-len N                decode: queries per request (default 1)
   --page-size N            decode: tokens per page, a power of two 1..128 (default 64)
   --kv-dtype bf16|fp16|fp8 decode: cache and query dtype; prefill: q/k/v dtype (default bf16)
+  --q-dtype bf16|fp16|fp8  decode: the query's dtype, where it differs from --kv-dtype (an fp8
+                           cache with a 16-bit query)
   --tokens N               prefill: total new tokens, split raggedly over --batch requests
                            (default 1024)
   --flush write|read|none  cuda: how the L2 is emptied before each run: write (default) fills a
@@ -105,11 +107,11 @@ int64_t parse_int(std::string_view option, std::string_view text, int64_t lo, in
   return value;
 }
 
-DType parse_dtype(std::string_view text) {
+DType parse_dtype(std::string_view option, std::string_view text) {
   if (text == "bf16") return DType::kBF16;
   if (text == "fp16") return DType::kFP16;
   if (text == "fp8" || text == "fp8e4m3") return DType::kFP8E4M3;
-  usage_error("--kv-dtype expects bf16, fp16 or fp8, got '" + std::string(text) + "'");
+  usage_error(std::string(option) + " expects bf16, fp16 or fp8, got '" + std::string(text) + "'");
 }
 
 // --rows: the decode rows named in a comma-separated list (none: not a valid list).
@@ -204,7 +206,8 @@ Options parse_options(int argc, char** argv) {
       else if (arg == "--kv-min") o.single.kv_min = int(parse_int(arg, value, 0, kMax32));
       else if (arg == "--q-len") o.single.q_len = int(parse_int(arg, value, 1, kMax32));
       else if (arg == "--page-size") o.single.page_size = int(parse_int(arg, value, 1, kMaxPageSize));
-      else if (arg == "--kv-dtype") o.single.kv_dtype = parse_dtype(value);
+      else if (arg == "--kv-dtype") o.single.kv_dtype = parse_dtype(arg, value);
+      else if (arg == "--q-dtype") o.single.q_dtype = parse_dtype(arg, value);
       else if (arg == "--tokens") o.single.tokens = parse_int(arg, value, 1, kMax32);
       else usage_error("unknown option '" + std::string(arg) + "'");
     }
@@ -369,6 +372,7 @@ int run(int argc, char** argv) {
     BenchCase decode = o.single, prefill = o.single;
     decode.op = Op::kDecode;
     prefill.op = Op::kPrefill;
+    prefill.q_dtype.reset();  // prefill: --kv-dtype is every input's dtype
     cases = {decode, prefill};
   }
   // The cases --op selects, by their index in the whole list (a case's seed follows it).

@@ -19,6 +19,7 @@ std::string describe(const BenchCase& c) {
     os << "decode b=" << c.batch << " h=" << c.heads << " kv=";
     if (c.kv_min >= 0) os << c.kv_min << "..";
     os << c.kv_len << " q=" << c.q_len << " page=" << c.page_size << " " << dtype_name(c.kv_dtype);
+    if (c.q_dtype) os << " query " << dtype_name(*c.q_dtype);
   } else {
     os << "prefill tokens=" << c.tokens << " b=" << c.batch << " h=" << c.heads << " "
        << dtype_name(c.kv_dtype);
@@ -111,8 +112,11 @@ DecodeProblem make_decode_problem(const BenchCase& c, uint64_t seed) {
   Rng rng(seed);
   DecodeProblem p;
   p.c = c;
-  p.q_dtype = c.kv_dtype;
-  p.out_dtype = c.kv_dtype == DType::kFP16 ? DType::kFP16 : DType::kBF16;
+  p.q_dtype = c.q_dtype.value_or(c.kv_dtype);
+  // The output in the query's 16-bit dtype, else the cache's (bf16 where both are fp8).
+  p.out_dtype = p.q_dtype == DType::kFP16 || (p.q_dtype == DType::kFP8E4M3 && c.kv_dtype == DType::kFP16)
+                    ? DType::kFP16
+                    : DType::kBF16;
   p.softmax_scale = float(1.0 / std::sqrt(192.0));
   if (c.kv_dtype == DType::kFP8E4M3) {
     p.q_scale = 1.0f;   // as serving engines quantise the query

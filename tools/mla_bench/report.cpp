@@ -86,9 +86,12 @@ void print_row(std::FILE* f, const Row& row, bool with_ceilings) {
   const int64_t kv_len = decode ? c.kv_len : prefill_mean_len(c);
   const int64_t q_len = decode ? c.q_len : prefill_mean_len(c);
   const std::string page = decode ? std::to_string(c.page_size) : "-";
+  // The cache's dtype, and the query's after a slash where it differs (--q-dtype).
+  std::string dtype_label(dtype_name(c.kv_dtype));
+  if (c.q_dtype) dtype_label.append("/").append(dtype_name(*c.q_dtype));
   std::fprintf(f, "%-8s %-16s %5d %5d %6lld %5lld %4s %-8s", op_name(c.op), row.kernel.c_str(),
                c.heads, c.batch, static_cast<long long>(kv_len), static_cast<long long>(q_len),
-               page.c_str(), std::string(dtype_name(c.kv_dtype)).c_str());
+               page.c_str(), dtype_label.c_str());
   if (!row.error.empty()) {
     std::fprintf(f, "  ERROR: %s\n", row.error.c_str());
     std::fflush(f);
@@ -139,6 +142,7 @@ void write_json(const std::string& path, const Report& r) {
     os << ", \"q_len\": " << (decode ? int64_t(c.q_len) : prefill_mean_len(c));
     os << ", \"page_size\": " << (decode ? std::to_string(c.page_size) : "null");
     os << ", \"kv_dtype\": " << json_string(std::string(dtype_name(c.kv_dtype)));
+    if (c.q_dtype) os << ", \"q_dtype\": " << json_string(std::string(dtype_name(*c.q_dtype)));
     os << ", \"tokens\": " << (decode ? int64_t(c.batch) * c.q_len : c.tokens);
     os << ", \"time_us\": " << (ran ? json_number(row.time_us) : "null");
     os << ", \"tflops\": " << (ran ? json_number(row.tflops) : "null");

@@ -68,6 +68,14 @@ bool query_rows_aligned(const QueryParts& q) {
          q.nope_stride_h % vec == 0 && q.pe_stride_t % vec == 0 && q.pe_stride_h % vec == 0;
 }
 
+// The call's row tile: the device's widest in the deterministic mode (so that a request's tiles do
+// not depend on the other requests' query counts), else the narrowest that holds a request's rows.
+int call_block_m(const MlaDecodeArgs& args, int64_t num_heads) {
+  const int cap = device_row_tile_cap();
+  const int64_t max_q_len = args.cu_q_lens.empty() ? args.q_len : args.max_q_len;
+  return args.deterministic ? cap : block_m_for_rows(max_q_len * num_heads, cap);
+}
+
 // Why the Hopper kernel does not apply to these arguments, or "" when it does.
 std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 #if !defined(MLA_HOPPER_DECODE)
@@ -80,11 +88,19 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
     return "device " + std::to_string(info.device) + " is sm_" + std::to_string(info.cc_major) +
            std::to_string(info.cc_minor) + ", not sm_90";
   const DType kv = args.kv_cache.dtype;
-  if (kv != DType::kBF16 && kv != DType::kFP16)
-    return std::string("the kv_cache is ") + std::string(dtype_name(kv)) + ", not bf16 or fp16";
-  if (q.dtype != kv)
+  if (q.dtype != DType::kBF16 && q.dtype != DType::kFP16)
+    return std::string("the query is ") + std::string(dtype_name(q.dtype)) + ", not bf16 or fp16";
+  if (kv == DType::kFP8E4M3) {
+    // Its narrow consumers only: the 64-row tile leaves no shared memory for a raw stage.
+    const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;
+    const int block_m = call_block_m(args, q_main.ndim >= 2 ? q_main.shape[1] : 1);
+    if (block_m > 16)
+      return "the kv_cache is fp8e4m3 and the call's row tiles have " + std::to_string(block_m) +
+             " rows (an fp8 cache takes tiles of at most 16 rows: max_q_len x heads <= 16, not deterministic)";
+  } else if (q.dtype != kv) {
     return std::string("the query (") + std::string(dtype_name(q.dtype)) + ") and kv_cache (" + std::string(dtype_name(kv)) +
            ") dtypes differ";
+  }
   const int64_t page_size = args.kv_cache.shape[1];
   if (page_size < 16) return "the page size " + std::to_string(page_size) + " is below 16";
   const int64_t rows = args.kv_cache.shape[0] * page_size;
@@ -276,10 +292,8 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   }
 
   // Row tiles of at most the widest this device's portable kernel runs (64 on Hopper and A100,
-  // 16 on sm_86 / sm_89). Deterministic: that width whatever max_q_len, so a request's tiles
-  // (and so its bits) do not depend on the other requests' query counts.
-  const int cap = device_row_tile_cap();
-  const int block_m = args.deterministic ? cap : block_m_for_rows(int64_t(max_q_len) * num_heads, cap);
+  // 16 on sm_86 / sm_89; call_block_m).
+  const int block_m = call_block_m(args, num_heads);
   const int64_t tiles_per_request = (int64_t(max_q_len) * num_heads + block_m - 1) / block_m;
   p.tiles_per_request = int(tiles_per_request);
   int grid = 0;
@@ -322,6 +336,7 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   const cudaStream_t cs = to_cuda(stream);
   if (hopper) {
 #if defined(MLA_HOPPER_DECODE)
+    // (compute is the query's dtype here: hopper_mismatch takes only 16-bit queries)
     if (compute == DType::kBF16) launch_hopper_decode_kernel<__nv_bfloat16>(p, block_m, grid, cs);
     else launch_hopper_decode_kernel<__half>(p, block_m, grid, cs);
 #endif

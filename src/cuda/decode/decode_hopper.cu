@@ -29,6 +29,13 @@
 // consumers instead (run_narrow_consumer): the keys are M, so a 16-row tile costs a quarter of the
 // 64-row tile's tensor work; WG1 runs every tile of the item alone, WG2 idles.
 //
+// An fp8 cache takes the narrow consumers only (the 64-row tile's Q and two 16-bit stages leave
+// no room for a raw stage): thread 0 of WG0 loads every tile of an item, as raw fp8 bytes, into
+// one raw stage inside the Q region (the narrow Q uses 16 of each box's 64 rows), with the L2
+// prefetch two tiles ahead; WG2 converts each raw group, as it lands, into the 16-bit stage t % 2
+// once the consumer has released that group (the layout TMA writes for a 16-bit cache), then
+// releases the raw group. WG1 runs as for a 16-bit cache (run_converter).
+//
 // Shared memory (bytes): Q 73,728 | 2 stages x 73,728 | row max / scale / row-sum exchange 2,048 |
 // barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
 //
@@ -122,12 +129,15 @@ struct SmemLayout {
   static constexpr int full = l_sums + 4 * 64 * 4;
   static constexpr int empty = full + kStages * kGroups * 8;
   static constexpr int exchange = empty + kStages * kGroups * 8;
-  static constexpr int end = exchange + kExchanges * 8;
+  static constexpr int raw_full = exchange + kExchanges * 8;  // an fp8 cache's raw stage
+  static constexpr int raw_empty = raw_full + kGroups * 8;
+  static constexpr int end = raw_empty + kGroups * 8;
   static constexpr int bytes = end + 1024;  // slack to align the base to 1024
 };
 
 struct HopperParams {
-  CUtensorMap kv_map;  // [rows = P * S, 576] 16-bit, boxes of {64, box_rows}, 128B swizzle
+  CUtensorMap kv_map;  // [rows = P * S, 576] 16-bit, boxes of {64, box_rows}, 128B swizzle; an fp8
+                       // cache: bytes, the same boxes, no swizzle
   DecodeParams p;
   int block_m;         // rows per tile of the plan (16, 32 or 64)
   int box_rows;        // keys per TMA box: min(page size, 64)
@@ -208,20 +218,22 @@ __device__ __forceinline__ int box_row(const HopperParams& hp, int request, int 
   return slot < 0 ? -hp.box_rows : int(slot);
 }
 
-// Group g of the tile's keys [key0, key0 + 64) -> its boxes of the stage, as 64 / box_rows row
-// groups. row0 is the first row group's box_row, looked up by the caller before it waited for the
+// Group g of the tile's keys [key0, key0 + 64) -> its boxes of the stage (box c at stage + c x
+// kBoxBytes, rows of row_bytes: 128 for a 16-bit cache, 64 for a raw fp8 one), as 64 / box_rows
+// row groups. row0 is the first row group's box_row, looked up by the caller before it waited for the
 // stage: a block-table load on the path from a release to the reload costs ~450 cycles, about a
 // third of the time from the release to the reload's landing. Smaller pages look up their other
 // row groups here.
 __device__ __forceinline__ void issue_group(const HopperParams& hp, int request, int key0, int kv_end,
-                                            int row0, uint8_t* stage, int g, uint64_t* full) {
+                                            int row0, uint8_t* stage, int g, uint64_t* full,
+                                            int row_bytes) {
   const int box_rows = hp.box_rows;
   const int first = group_first_box(g), count = group_boxes(g);
-  mbar_arrive_expect_tx(full, uint32_t(count * kBoxBytes));
+  mbar_arrive_expect_tx(full, uint32_t(count * kBlockN * row_bytes));
   for (int sub = 0; sub < 64; sub += box_rows) {
     const int row = sub == 0 ? row0 : box_row(hp, request, key0 + sub, kv_end);
     for (int c = first; c < first + count; ++c)
-      tma_load_2d(stage + c * kBoxBytes + sub * 128, &hp.kv_map, full, c * 64, row, kEvictNormal);
+      tma_load_2d(stage + c * kBoxBytes + sub * row_bytes, &hp.kv_map, full, c * 64, row, kEvictNormal);
   }
 }
 
@@ -249,7 +261,7 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(stage, i);
         mbar_wait(&empty[g], phase ^ 1);
-        issue_group(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g]);
+        issue_group(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g], 128);
         if (stage == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
@@ -257,6 +269,43 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
       if (prefetch)
         for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
           prefetch_keys_l2(p, item.request, key0 + 2 * kBlockN + sub, hp.box_rows, r.kv_end);
+      phase ^= 1;
+    }
+  }
+}
+
+// The raw stage of an fp8 cache: box c (64 keys x 64 bytes) in the second half of Q box c, which
+// the narrow consumers' Q (rows 0-15), P^T and row-max exchange (box 0 and 2 at 2 KB) leave free.
+namespace raw {
+constexpr int kOffset = 4096;
+constexpr int kRowBytes = 64;
+}  // namespace raw
+
+// An fp8 cache's producer (thread 0): every tile of the CTA's items into the raw stage, group by
+// group as the converter releases it, with the L2 prefetch of the tiles one and two ahead (one
+// raw stage in flight is too little to keep the DRAM busy; the prefetch lets the next tile's load
+// wait for L2 only).
+__device__ void run_raw_producer(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
+  const DecodeParams& p = hp.p;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full);
+  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty);
+  uint8_t* stage = smem + SmemLayout::q + raw::kOffset;
+  prefetch_tensor_map(&hp.kv_map);
+  uint32_t phase = 0;
+  for (int it = begin; it < end; ++it) {
+    const WorkItem item = fetch_item(p, it, lane_of_cta);
+    const ItemRange r = item_range(p.layout, item, hp.block_m);
+    for (int t = 0; t < r.num_tiles; ++t) {
+      const int key0 = r.kv_begin + t * kBlockN;
+      const int row0 = box_row(hp, item.request, key0, r.kv_end);
+      for (int i = 0; i < kGroups; ++i) {
+        const int g = group_order(0, i);
+        mbar_wait(&empty[g], phase ^ 1);
+        issue_group(hp, item.request, key0, r.kv_end, row0, stage, g, &full[g], raw::kRowBytes);
+      }
+      for (int ahead = t == 0 ? 1 : 2; ahead <= 2; ++ahead)
+        for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
+          prefetch_keys_l2(p, item.request, key0 + ahead * kBlockN + sub, hp.box_rows, r.kv_end);
       phase ^= 1;
     }
   }
@@ -852,11 +901,19 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
 //
 // Shared memory inside the Q region (Q uses the first 16 rows, 2 KB, of each of its 9 boxes):
 // P^T at box 0 + 2 KB; the row-max exchange (4 warps x 16 rows) at box 2 + 2 KB; at the end of an
-// item the warps' row sums at 64 KB + 128 and the rows' output staged at 32 KB ([16][512] fp32).
+// item the warps' row sums at box 8 + 128 and the rows' output staged in the first 4 KB of boxes
+// 0-7 (rows 2b and 2b + 1 of [16][512] fp32 in box b). The second half of each box stays free
+// for an fp8 cache's raw stage (raw::kOffset), which the next item's tiles may fill meanwhile.
 namespace narrow {
 constexpr int kPBox = 2048;                  // offset of P^T inside box 0
 constexpr int kMaxX = 2 * kBoxBytes + 2048;  // row-max exchange
-constexpr int kStaged = 32768, kSums = 65536 + 128;
+constexpr int kSums = 8 * kBoxBytes + 128;
+static_assert(kMaxX + 64 * 4 <= 2 * kBoxBytes + raw::kOffset && kSums + 64 * 4 <= 8 * kBoxBytes + raw::kOffset &&
+                  2 * kValueDim * 4 <= raw::kOffset,
+              "the narrow consumers' shared memory stays clear of the raw stage");
+__device__ __forceinline__ float* staged_row(uint8_t* sq, int rl) {
+  return reinterpret_cast<float*>(sq + (rl >> 1) * kBoxBytes + (rl & 1) * kValueDim * 4);
+}
 // Of the 8 accumulators a thread holds of an m64n16 block (index i = 4 j + 2 h + e), the slot
 // x = 2 j + e among its four query rows, and the tile row (the block's column) of slot x.
 __device__ __forceinline__ int slot(int i) { return 2 * ((i >> 2) & 1) + (i & 1); }
@@ -1013,7 +1070,6 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       l[x] += __shfl_xor_sync(0xffffffffu, l[x], 16);
     }
     float* sums = reinterpret_cast<float*>(sq + narrow::kSums);  // [4 warps][16]
-    float* staged = reinterpret_cast<float*>(sq + narrow::kStaged);
     named_sync(kBarLeft, 128);  // every warp is done with Q and the P box
     if (lane < 4) {
 #pragma unroll
@@ -1036,7 +1092,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       const int x = narrow::slot(i), h = (i >> 1) & 1;
       const int d = 64 * (i >> 3) + 16 * warp + (lane >> 2) + 8 * h;
       const int rl = narrow::row(x, lane);
-      staged[rl * kValueDim + d] = o[i] * inv[x];
+      narrow::staged_row(sq, rl)[d] = o[i] * inv[x];
     }
     named_sync(kBarLeft, 128);
     if (wt == 0) MLA_DECODE_STAMP(kTraceSums);
@@ -1044,22 +1100,76 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
 #pragma unroll 1
     for (int rl = 0; rl < r.valid_rows; ++rl) {
       void* base = row_dst(p, item.slot, r, rl).out;
+      const float* staged = narrow::staged_row(sq, rl);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int col = 2 * (wt + 128 * h);
-        store_out_pair(p, base, col, staged[rl * kValueDim + col], staged[rl * kValueDim + col + 1]);
+        store_out_pair(p, base, col, staged[col], staged[col + 1]);
       }
     }
     if (wt == 0) MLA_DECODE_STAMP(kTraceStoredL);
   }
 }
 
+// An fp8 cache (narrow tiles): WG2 walks the same tiles as the producer and the consumer. Each
+// raw group, once landed and once the consumer has released that group of the 16-bit stage t % 2,
+// is converted into it as TMA would have written a 16-bit cache (boxes of 64 keys x 64 values,
+// 128-byte swizzle); the stage's full barrier then counts the converter's 128 arrivals (no bytes),
+// and the raw group goes back to the producer. Thread wt converts 16-byte chunks wt and wt + 128
+// of each raw box (key chunk / 4, values 16 (chunk % 4) ...): a warp reads 512 consecutive bytes,
+// and its eight lanes of a store phase write two keys' four chunk pairs, 32 distinct banks.
+template <typename T>
+__device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
+  const DecodeParams& p = hp.p;
+  const int wt = int(threadIdx.x) - 256;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
+  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
+  uint64_t* raw_full = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full);
+  uint64_t* raw_empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty);
+  const uint8_t* raw = smem + SmemLayout::q + raw::kOffset;
+  uint32_t phases = 0, raw_phase = 0;  // phases bit s: the parity of stage s's barriers
+  for (int it = begin; it < end; ++it) {
+    const WorkItem item = fetch_item(p, it, lane_of_cta);
+    const ItemRange r = item_range(p.layout, item, hp.block_m);
+#pragma unroll 1
+    for (int t = 0; t < r.num_tiles; ++t) {
+      const int st = t & 1;
+      uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
+#pragma unroll
+      for (int i = 0; i < kGroups; ++i) {
+        const int g = group_order(0, i);
+        mbar_wait(&raw_full[g], raw_phase);
+        mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
+#pragma unroll
+        for (int c = group_first_box(g); c < group_first_box(g) + group_boxes(g); ++c) {
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int chunk = wt + 128 * k, key = chunk >> 2, col = (chunk & 3) * 16;
+            const uint4 v = *reinterpret_cast<const uint4*>(raw + c * kBoxBytes + key * raw::kRowBytes + col);
+            uint4 lo, hi;
+            fp8x16_to<T>(v, lo, hi);
+            uint8_t* box = stage + c * kBoxBytes;
+            *reinterpret_cast<uint4*>(box + swizzled_offset(key, col)) = lo;
+            *reinterpret_cast<uint4*>(box + swizzled_offset(key, col + 8)) = hi;
+          }
+        }
+        fence_proxy_async();  // the stores, before the consumer's wgmma reads them
+        mbar_arrive(&full[st * kGroups + g]);
+        mbar_arrive(&raw_empty[g]);
+      }
+      raw_phase ^= 1;
+      phases ^= 1u << st;
+    }
+  }
+}
+
 // kNarrow: the row-tile class (tiles of at most 16 rows, run_narrow_consumer; else 32 or 64 rows,
 // run_consumer), a template parameter like the portable kernel's kRowTiles: the two classes differ
-// in their register split and their consumers' code.
-template <typename T, bool kNarrow>
+// in their register split and their consumers' code. kFp8: an fp8 cache (narrow tiles only).
+template <typename T, bool kNarrow, bool kFp8>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     mla_decode_hopper_kernel(const __grid_constant__ HopperParams hp) {
+  static_assert(kNarrow || !kFp8, "an fp8 cache takes the narrow consumers only");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by an offset from the __shared__ array (not through an integer), so that the compiler
   // still knows every pointer derived from it is shared memory and emits STS / LDS rather than
@@ -1078,12 +1188,18 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
     uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
     for (int b = 0; b < kStages * kGroups; ++b) {
-      mbar_init(&full[b], 1);
+      mbar_init(&full[b], kFp8 ? 128 : 1);  // the converter's every thread, or the TMA bytes
       // One arrival per warp of the releasing warpgroup; the narrow consumers' every thread
       // arrives (no lane test between their wgmma waits: ptxas would serialise them).
       mbar_init(&empty[b], kNarrow ? 128 : 4);
     }
     for (int b = 0; b < kExchanges; ++b) mbar_init(&xbar[b], 128);  // every writer thread
+    if constexpr (kFp8) {
+      for (int g = 0; g < kGroups; ++g) {
+        mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full) + g, 1);
+        mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty) + g, 128);
+      }
+    }
     mbar_init_fence();
   }
   __syncthreads();
@@ -1102,14 +1218,24 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     // the work range in registers). Narrow: 128 x 56 + 256 x 224 = 64,512 of the CTA's 64,512
     // (168 a thread at launch); 64-row tiles: 128 x 40 + 256 x 232 = 64,512.
     setmaxnreg_dec<kNarrow ? 56 : 40>();
-    if (threadIdx.x == 0 || threadIdx.x == 32) {
+    if constexpr (kFp8) {
+      if (threadIdx.x == 0) {
+        cta_work(p, hp.block_m, &begin, &end, &lane);
+        run_raw_producer(hp, smem, begin, end, lane);
+      }
+    } else if (threadIdx.x == 0 || threadIdx.x == 32) {
       if constexpr (kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer
       run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
     }
   } else {
     setmaxnreg_inc<kNarrow ? 224 : 232>();
     if constexpr (kNarrow) {
-      if (wg == 1) run_narrow_consumer<T>(hp, smem);  // WG2: nothing to do
+      if (wg == 1) {
+        run_narrow_consumer<T>(hp, smem);
+      } else if constexpr (kFp8) {
+        cta_work(p, hp.block_m, &begin, &end, &lane);
+        run_converter<T>(hp, smem, begin, end, lane);
+      }  // else WG2 has nothing to do
     } else
       run_consumer<T>(hp, smem, begin, end, lane, wg == 1);
   }
@@ -1124,7 +1250,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
 
 #else  // not sm_90a: the kernel exists only so that the host code links; it is never launched.
 
-template <typename T, bool kNarrow>
+template <typename T, bool kNarrow, bool kFp8>
 __global__ void mla_decode_hopper_kernel(const __grid_constant__ HopperParams) {}
 
 #endif
@@ -1153,14 +1279,19 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
   const int page_size = 1 << params.page_shift;
   hp.box_rows = page_size < 64 ? page_size : 64;
 
+  // An fp8 cache: its bytes in the same boxes, unswizzled (the converter reads them).
+  const bool fp8 = params.kv_is_fp8 != 0;
+  MLA_CHECK(!fp8 || block_m <= 16, "mla_decode: the Hopper kernel takes an fp8 cache for row tiles of at most 16 rows, got ",
+            block_m);
   const cuuint64_t dims[2] = {cuuint64_t(kHeadDim), cuuint64_t(params.num_pages) * cuuint64_t(page_size)};
-  const cuuint64_t strides[1] = {cuuint64_t(kHeadDim) * 2};
+  const cuuint64_t strides[1] = {cuuint64_t(kHeadDim) * (fp8 ? 1 : 2)};
   const cuuint32_t box[2] = {64, cuuint32_t(hp.box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult rc = tensor_map_encoder()(
-      &hp.kv_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(params.kv_cache), dims, strides,
-      box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      &hp.kv_map, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
+      const_cast<void*>(params.kv_cache), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MLA_CHECK(rc == CUDA_SUCCESS, "mla_decode: cuTensorMapEncodeTiled failed for the kv_cache (error ",
             int(rc), ", ", params.num_pages, " pages of ", page_size, " tokens at ", params.kv_cache, ")");
 
@@ -1175,15 +1306,17 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
             " bytes of shared memory per block, but device ", info.device, " allows ",
             info.max_smem_per_block_optin);
   // Tiles of at most 16 rows: the narrow consumers (keys as M, a quarter of the tensor work).
-  const auto launch = [&](auto narrow) {
-    constexpr auto kernel = mla_decode_hopper_kernel<T, decltype(narrow)::value>;
+  const auto launch = [&](auto narrow, auto fp8_cache) {
+    constexpr auto kernel = mla_decode_hopper_kernel<T, decltype(narrow)::value, decltype(fp8_cache)::value>;
     opt_in_dynamic_smem<kernel>(SmemLayout::bytes);
     launch_dependent(kernel, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes, stream, hp);
   };
-  if (block_m <= 16)
-    launch(std::true_type{});
+  if (fp8)
+    launch(std::true_type{}, std::true_type{});
+  else if (block_m <= 16)
+    launch(std::true_type{}, std::false_type{});
   else
-    launch(std::false_type{});
+    launch(std::false_type{}, std::false_type{});
 }
 
 template void launch_hopper_decode_kernel<__nv_bfloat16>(const DecodeParams&, int, int, cudaStream_t);

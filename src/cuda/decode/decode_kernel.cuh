@@ -116,32 +116,6 @@ __device__ __forceinline__ int p_offset(int row, int chunk) {
   return (row * (kBlockN / 8) + (chunk ^ (row & 7))) * 8;
 }
 
-// Two fp8 e4m3 values (low byte first) -> two values of T, packed. Exact: every e4m3 value is
-// representable in bf16 and in fp16.
-template <typename T>
-__device__ __forceinline__ uint32_t fp8x2_to(uint32_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
-  if constexpr (std::is_same_v<T, __half>) {
-    return uint32_t(h.x) | (uint32_t(h.y) << 16);
-  } else {
-    const float2 f = __half22float2(__half2(h));
-    return pack2<T>(f.x, f.y);
-  }
-}
-
-// 16 fp8 values -> 16 values of T in two 16-byte chunks.
-template <typename T>
-__device__ __forceinline__ void fp8x16_to(const uint4& raw, uint4& lo, uint4& hi) {
-  lo.x = fp8x2_to<T>(raw.x & 0xffff);
-  lo.y = fp8x2_to<T>(raw.x >> 16);
-  lo.z = fp8x2_to<T>(raw.y & 0xffff);
-  lo.w = fp8x2_to<T>(raw.y >> 16);
-  hi.x = fp8x2_to<T>(raw.z & 0xffff);
-  hi.y = fp8x2_to<T>(raw.z >> 16);
-  hi.z = fp8x2_to<T>(raw.w & 0xffff);
-  hi.w = fp8x2_to<T>(raw.w >> 16);
-}
-
 template <typename T>
 __device__ __forceinline__ float load_scalar(const void* base, int64_t index, bool is_fp8) {
   if (is_fp8) {
