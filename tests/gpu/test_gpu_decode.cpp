@@ -1276,7 +1276,7 @@ TEST(GpuDecodeHopper, ManyItemsPerCta) {
 }
 
 // An fp8 cache on the narrow consumers: the raw stage, its producer running up to an item ahead
-// and the converter. Queries of both 16-bit dtypes, every page size, lengths around tiles and
+// and the converter. Queries of both 16-bit dtypes and fp8, every page size, lengths around tiles and
 // pages (the raw stage's boxes of pages of 16 and 32, the zero-filled rows past a request),
 // every row count up to 16 (heads x queries), variable query lengths, many items a CTA, a very
 // long request; the split and unsplit modes, k_scale != 1, NaN in unused cache slots.
@@ -1318,6 +1318,31 @@ TEST(GpuDecodeHopper, Fp8CacheNarrowTiles) {
   DecodeCase l = fp8_case(16, 64, {131072}, 1, DType::kBF16);
   l.seed = 26500;
   check_case(l, /*both_modes=*/true);
+  // A full card: every SM streams tiles through its raw stage at once (a release of a raw group
+  // before its reads were done showed only under such load).
+  std::mt19937 rng(26550);
+  std::vector<int> busy(48);
+  for (int& k : busy) k = 1500 + int(rng() % 1100);
+  DecodeCase b = fp8_case(16, 64, busy, 1, DType::kBF16);
+  b.seed = 26551;
+  check_case(b, /*both_modes=*/true);
+  // An fp8 query too (converted as it loads), fused and split, padded rows, every row count.
+  for (const auto& [heads, q_len] : {std::pair{16, 1}, std::pair{5, 3}, std::pair{1, 1}}) {
+    DecodeCase q = fp8_case(heads, 32, {0, 1, 17, 64, 129, 700, 2049}, q_len, DType::kFP8E4M3);
+    q.q_scale = 0.05f;
+    q.out_dtype = DType::kFP32;
+    q.seed = uint64_t(26700 + 10 * heads + q_len);
+    check_case(q, /*both_modes=*/true);
+    q.split_q = true;
+    q.q_pad = 16;
+    q.seed += 1;
+    check_case(q);
+  }
+  DecodeCase vq = v;
+  vq.q_dtype = DType::kFP8E4M3;
+  vq.q_scale = 0.5f;
+  vq.seed = 26800;
+  check_case(vq, /*both_modes=*/true);
 }
 
 // Small enough for the race checker: an fp8 cache on the narrow consumers, pages of 32, split
@@ -1640,7 +1665,7 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
   a.kernel = DecodeKernel::kPortable;
   EXPECT_STREQ(mla_decode_kernel_name(a), "sm80-mma");
 
-  DecodeCase f = fixed(16, 64, {5, 9});
+  DecodeCase f = fixed(128, 64, {5, 9});  // fp8 at 128 rows a request
   f.kv_dtype = f.q_dtype = DType::kFP8E4M3;
   f.kernel = DecodeKernel::kHopper;
   const DecodeData fd = make_data(f);
@@ -1648,12 +1673,16 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
   MlaDecodeArgs fa = fdev.args(fd);
   EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"DecodeKernel::kHopper"}));
   if (hopper_expected()) {
-    EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"query is fp8e4m3", "not bf16 or fp16"}));
-    // An fp8 cache with a 16-bit query: tiles of at most 16 rows (the narrow consumers) only.
-    for (const auto& [heads, q_len, deterministic, applies] :
-         {std::tuple{16, 1, false, true}, std::tuple{8, 2, false, true}, std::tuple{16, 2, false, false},
-          std::tuple{128, 1, false, false}, std::tuple{16, 1, true, false}}) {
+    EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"kv_cache is fp8e4m3", "row tiles have 64 rows", "at most 16 rows"}));
+    // An fp8 cache, with a 16-bit or an fp8 query: tiles of at most 16 rows (the narrow
+    // consumers) only.
+    for (const auto& [heads, q_len, deterministic, applies, q_dtype] :
+         {std::tuple{16, 1, false, true, DType::kBF16}, std::tuple{8, 2, false, true, DType::kFP16},
+          std::tuple{16, 1, false, true, DType::kFP8E4M3}, std::tuple{16, 2, false, false, DType::kBF16},
+          std::tuple{128, 1, false, false, DType::kBF16}, std::tuple{128, 1, false, false, DType::kFP8E4M3},
+          std::tuple{16, 1, true, false, DType::kBF16}}) {
       DecodeCase b = fixed(heads, 64, {5, 9}, q_len);
+      b.q_dtype = q_dtype;
       b.kv_dtype = DType::kFP8E4M3;
       b.kernel = DecodeKernel::kHopper;
       b.deterministic = deterministic;

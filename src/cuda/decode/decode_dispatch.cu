@@ -30,6 +30,7 @@ namespace {
 using namespace decode;
 
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+bool is16(DType d) { return d == DType::kBF16 || d == DType::kFP16; }
 
 template <typename T>
 void launch_for_rows(int block_m, const DecodeParams& params, int grid, cudaStream_t stream) {
@@ -88,18 +89,17 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
     return "device " + std::to_string(info.device) + " is sm_" + std::to_string(info.cc_major) +
            std::to_string(info.cc_minor) + ", not sm_90";
   const DType kv = args.kv_cache.dtype;
-  if (q.dtype != DType::kBF16 && q.dtype != DType::kFP16)
-    return std::string("the query is ") + std::string(dtype_name(q.dtype)) + ", not bf16 or fp16";
-  if (kv == DType::kFP8E4M3) {
-    // Its narrow consumers only: the 64-row tile leaves no shared memory for a raw stage.
+  if (is16(q.dtype) && is16(kv) && q.dtype != kv)
+    return std::string("the query (") + std::string(dtype_name(q.dtype)) + ") and kv_cache (" + std::string(dtype_name(kv)) +
+           ") dtypes differ";
+  if (!is16(kv)) {  // (an fp8 query comes with an fp8 cache: mla_decode's checks)
+    // An fp8 cache (and query) on its narrow consumers only: the 64-row tile leaves no shared
+    // memory for a raw cache stage, and its Q loads do not convert.
     const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;
     const int block_m = call_block_m(args, q_main.ndim >= 2 ? q_main.shape[1] : 1);
     if (block_m > 16)
       return "the kv_cache is fp8e4m3 and the call's row tiles have " + std::to_string(block_m) +
              " rows (an fp8 cache takes tiles of at most 16 rows: max_q_len x heads <= 16, not deterministic)";
-  } else if (q.dtype != kv) {
-    return std::string("the query (") + std::string(dtype_name(q.dtype)) + ") and kv_cache (" + std::string(dtype_name(kv)) +
-           ") dtypes differ";
   }
   const int64_t page_size = args.kv_cache.shape[1];
   if (page_size < 16) return "the page size " + std::to_string(page_size) + " is below 16";
@@ -192,7 +192,6 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   // Compute dtype: the 16-bit dtype of the query or the cache; fp8 operands are converted to it.
   const DType q_dtype = q_main.dtype;
   const DType kv_dtype = args.kv_cache.dtype;
-  const auto is16 = [](DType d) { return d == DType::kBF16 || d == DType::kFP16; };
   const DType compute = is16(q_dtype) ? q_dtype : is16(kv_dtype) ? kv_dtype : DType::kBF16;
   MLA_CHECK((q_dtype == compute || q_dtype == DType::kFP8E4M3) &&
                 (kv_dtype == compute || kv_dtype == DType::kFP8E4M3),
@@ -336,7 +335,6 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
   const cudaStream_t cs = to_cuda(stream);
   if (hopper) {
 #if defined(MLA_HOPPER_DECODE)
-    // (compute is the query's dtype here: hopper_mismatch takes only 16-bit queries)
     if (compute == DType::kBF16) launch_hopper_decode_kernel<__nv_bfloat16>(p, block_m, grid, cs);
     else launch_hopper_decode_kernel<__half>(p, block_m, grid, cs);
 #endif

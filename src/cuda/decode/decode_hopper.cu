@@ -31,10 +31,10 @@
 //
 // An fp8 cache takes the narrow consumers only (the 64-row tile's Q and two 16-bit stages leave
 // no room for a raw stage): thread 0 of WG0 loads every tile of an item, as raw fp8 bytes, into
-// one raw stage inside the Q region (the narrow Q uses 16 of each box's 64 rows), with the L2
-// prefetch two tiles ahead; WG2 converts each raw group, as it lands, into the 16-bit stage t % 2
-// once the consumer has released that group (the layout TMA writes for a 16-bit cache), then
-// releases the raw group. WG1 runs as for a 16-bit cache (run_converter).
+// one raw stage inside the Q region (the narrow Q uses 16 of each box's 64 rows); WG2 reads each
+// raw group as it lands, releases it, and converts it into the 16-bit stage t % 2 once the
+// consumer has released that group (the layout TMA writes for a 16-bit cache). WG1 runs as for
+// a 16-bit cache, an fp8 query converted as it loads (run_converter, load_q_fp8).
 //
 // Shared memory (bytes): Q 73,728 | 2 stages x 73,728 | row max / scale / row-sum exchange 2,048 |
 // barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
@@ -57,6 +57,9 @@
 //   v5  narrow consumers for tiles of at most 16 rows: 16 h B 64 kv 4k 97.4 -> 94.0 µs.
 //   v6  each item's Q issued as soon as the pairs before it are done (run_consumer): 128 h
 //       B 64 / 128 / 256 kv 1k -0.5 to -1.5 %, the rest unchanged.
+//   v7  an fp8 cache on the narrow consumers (H100: 16 h B 128 kv 16k 906 µs on the portable
+//       kernel -> 552; each raw group released before the wait for its 16-bit stage: 516 µs,
+//       0.78 of copy bandwidth in fp8 bytes).
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
 //   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, an item's first tiles
 //   landing before the next ones are prefetched (B 1 -2 %, but the producer's wait needs 8 more
@@ -282,9 +285,9 @@ constexpr int kRowBytes = 64;
 }  // namespace raw
 
 // An fp8 cache's producer (thread 0): every tile of the CTA's items into the raw stage, group by
-// group as the converter releases it, with the L2 prefetch of the tiles one and two ahead (one
-// raw stage in flight is too little to keep the DRAM busy; the prefetch lets the next tile's load
-// wait for L2 only).
+// group as the converter releases it. No L2 prefetch: with it (the tiles one and two ahead) the
+// 16-head rows were 0.2-1.8 % slower, four ahead 2-10 % (docs/perf-notes.md); the converter
+// releasing each group as soon as it has read it is what keeps the bytes in flight.
 __device__ void run_raw_producer(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
   const DecodeParams& p = hp.p;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full);
@@ -303,9 +306,6 @@ __device__ void run_raw_producer(const HopperParams& hp, uint8_t* smem, int begi
         mbar_wait(&empty[g], phase ^ 1);
         issue_group(hp, item.request, key0, r.kv_end, row0, stage, g, &full[g], raw::kRowBytes);
       }
-      for (int ahead = t == 0 ? 1 : 2; ahead <= 2; ++ahead)
-        for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
-          prefetch_keys_l2(p, item.request, key0 + ahead * kBlockN + sub, hp.box_rows, r.kv_end);
       phase ^= 1;
     }
   }
@@ -335,6 +335,28 @@ template <typename T, int kPerRow>
 __device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int t) {
   issue_q<T, kPerRow>(p, r, sq, t);
   cp_async_wait<0>();
+}
+
+// An fp8 query (the narrow consumers: 128 threads, 8 a row, 16 rows): Q's rows converted to T as
+// they load, in load_q's layout (rows past valid_rows zero); every load in flight before the
+// first conversion.
+template <typename T>
+__device__ __forceinline__ void load_q_fp8(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int t) {
+  constexpr int kPerRow = 8, kSteps = kHeadDim / 8 / kPerRow;  // 9 chunks of 8 values a thread
+  const int row = t / kPerRow, c0 = t % kPerRow;
+  const bool valid = row < r.valid_rows;
+  const QRow<uint8_t> q = q_row<uint8_t>(p, r.g.q_start, r.row0 + (valid ? row : 0));
+  uint2 raw[kSteps];
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j)
+    raw[j] = valid ? *reinterpret_cast<const uint2*>(q.chunk(c0 + kPerRow * j)) : make_uint2(0, 0);
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+    const int c = c0 + kPerRow * j;
+    const uint4 v = make_uint4(fp8x2_to<T>(raw[j].x & 0xffff), fp8x2_to<T>(raw[j].x >> 16),
+                               fp8x2_to<T>(raw[j].y & 0xffff), fp8x2_to<T>(raw[j].y >> 16));
+    *reinterpret_cast<uint4*>(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8)) = v;
+  }
 }
 
 // Writes this thread's 2 rows x 128 columns of O (columns col0 + 8n + 2(lane%4) + {0,1}),
@@ -920,7 +942,8 @@ __device__ __forceinline__ int slot(int i) { return 2 * ((i >> 2) & 1) + (i & 1)
 __device__ __forceinline__ int row(int x, int lane) { return 8 * (x >> 1) + 2 * (lane & 3) + (x & 1); }
 }  // namespace narrow
 
-template <typename T>
+// kFp8: an fp8 cache, whose kernel also takes an fp8 query (converted as it loads).
+template <typename T, bool kFp8>
 __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint8_t* smem) {
   const DecodeParams& p = hp.p;
   // The work range read here again (the producer's copy lives across its register change, and
@@ -944,7 +967,12 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     if (r.valid_rows <= 0) continue;
     named_sync(kBarLeft, 128);  // the last item's staged rows are stored
-    if (r.num_tiles > 0) load_q<T, 8>(p, r, sq, wt);
+    if (r.num_tiles > 0) {
+      if (kFp8 && p.q_is_fp8)
+        load_q_fp8<T>(p, r, sq, wt);
+      else
+        load_q<T, 8>(p, r, sq, wt);
+    }
     fence_proxy_async();
     named_sync(kBarLeft, 128);
     if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceQ);
@@ -1112,10 +1140,10 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
 }
 
 // An fp8 cache (narrow tiles): WG2 walks the same tiles as the producer and the consumer. Each
-// raw group, once landed and once the consumer has released that group of the 16-bit stage t % 2,
-// is converted into it as TMA would have written a 16-bit cache (boxes of 64 keys x 64 values,
-// 128-byte swizzle); the stage's full barrier then counts the converter's 128 arrivals (no bytes),
-// and the raw group goes back to the producer. Thread wt converts 16-byte chunks wt and wt + 128
+// raw group, once landed, is read into registers and goes back to the producer; once the consumer
+// has released that group of the 16-bit stage t % 2, it is converted into it as TMA would have
+// written a 16-bit cache (boxes of 64 keys x 64 values, 128-byte swizzle), and the stage's full
+// barrier counts the converter's 128 arrivals (no bytes). Thread wt converts 16-byte chunks wt and wt + 128
 // of each raw box (key chunk / 4, values 16 (chunk % 4) ...): a warp reads 512 consecutive bytes,
 // and its eight lanes of a store phase write two keys' four chunk pairs, 32 distinct banks.
 template <typename T>
@@ -1138,24 +1166,34 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
 #pragma unroll
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(0, i);
+        // The group into registers and back to the producer before the wait for the stage: the
+        // raw stage is what bounds the bytes in flight. The fence orders these reads before
+        // the next TMA writes (another proxy); without it the TMA overwrote rows not yet read.
         mbar_wait(&raw_full[g], raw_phase);
+        constexpr int kMaxChunks = 8;  // a group of 4 boxes, two chunks a box
+        uint4 v[kMaxChunks];
+        const int first = group_first_box(g), chunks = 2 * group_boxes(g);
+#pragma unroll
+        for (int j = 0; j < chunks; ++j) {
+          const int chunk = wt + 128 * (j & 1);
+          v[j] = *reinterpret_cast<const uint4*>(raw + (first + (j >> 1)) * kBoxBytes + (chunk >> 2) * raw::kRowBytes +
+                                                 (chunk & 3) * 16);
+        }
+        fence_proxy_async();
+        mbar_arrive(&raw_empty[g]);
         mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
 #pragma unroll
-        for (int c = group_first_box(g); c < group_first_box(g) + group_boxes(g); ++c) {
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const int chunk = wt + 128 * k, key = chunk >> 2, col = (chunk & 3) * 16;
-            const uint4 v = *reinterpret_cast<const uint4*>(raw + c * kBoxBytes + key * raw::kRowBytes + col);
-            uint4 lo, hi;
-            fp8x16_to<T>(v, lo, hi);
-            uint8_t* box = stage + c * kBoxBytes;
-            *reinterpret_cast<uint4*>(box + swizzled_offset(key, col)) = lo;
-            *reinterpret_cast<uint4*>(box + swizzled_offset(key, col + 8)) = hi;
-          }
+        for (int j = 0; j < chunks; ++j) {
+          const int chunk = wt + 128 * (j & 1), key = chunk >> 2, col = (chunk & 3) * 16;
+          const int c = first + (j >> 1);
+          uint4 lo, hi;
+          fp8x16_to<T>(v[j], lo, hi);
+          uint8_t* box = stage + c * kBoxBytes;
+          *reinterpret_cast<uint4*>(box + swizzled_offset(key, col)) = lo;
+          *reinterpret_cast<uint4*>(box + swizzled_offset(key, col + 8)) = hi;
         }
         fence_proxy_async();  // the stores, before the consumer's wgmma reads them
         mbar_arrive(&full[st * kGroups + g]);
-        mbar_arrive(&raw_empty[g]);
       }
       raw_phase ^= 1;
       phases ^= 1u << st;
@@ -1231,7 +1269,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     setmaxnreg_inc<kNarrow ? 224 : 232>();
     if constexpr (kNarrow) {
       if (wg == 1) {
-        run_narrow_consumer<T>(hp, smem);
+        run_narrow_consumer<T, kFp8>(hp, smem);
       } else if constexpr (kFp8) {
         cta_work(p, hp.block_m, &begin, &end, &lane);
         run_converter<T>(hp, smem, begin, end, lane);
@@ -1281,7 +1319,8 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
 
   // An fp8 cache: its bytes in the same boxes, unswizzled (the converter reads them).
   const bool fp8 = params.kv_is_fp8 != 0;
-  MLA_CHECK(!fp8 || block_m <= 16, "mla_decode: the Hopper kernel takes an fp8 cache for row tiles of at most 16 rows, got ",
+  MLA_CHECK(!fp8 || block_m <= 16,
+            "mla_decode: the Hopper kernel takes an fp8 cache (and query) for row tiles of at most 16 rows, got ",
             block_m);
   const cuuint64_t dims[2] = {cuuint64_t(kHeadDim), cuuint64_t(params.num_pages) * cuuint64_t(page_size)};
   const cuuint64_t strides[1] = {cuuint64_t(kHeadDim) * (fp8 ? 1 : 2)};

@@ -9,9 +9,10 @@
 namespace mla::cuda::decode {
 
 // Runs the same work as launch_decode_kernel (same schedule, slots and combine) with rows tiled by
-// the plan's block_m (16, 32 or 64; the kernel always computes 64-row tiles). Requires a 16-bit
-// query of type T and a cache of type T or fp8 e4m3 (then block_m 16), 16-byte aligned query rows,
-// a page size >= 16 and fewer than 2^31 cache rows: the caller (decode_dispatch.cu) checks these.
+// the plan's block_m (16, 32 or 64; the kernel always computes 64-row tiles). Requires a query
+// and a cache of type T, or where block_m is 16 an fp8 e4m3 cache with a query of type T or fp8,
+// 16-byte aligned query rows, a page size >= 16 and fewer than 2^31 cache rows: the caller
+// (decode_dispatch.cu) checks these.
 template <typename T>
 void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int grid, cudaStream_t stream);
 
