@@ -2,7 +2,7 @@
 """mla-bench --part K/N and bench/merge_results.py: the parts of a sweep together run every case
 once, with the results of the whole run (same seeds), and merge into one file; bad --part and
 --flush and --rows values, and runs of different cards or flushes, are rejected with a message. Also
---kv-min (requests of mixed lengths).
+--kv-min (requests of mixed lengths) and --q-dtype.
 
     python3 tests/tools/test_bench_parts.py MLA_BENCH MERGE_RESULTS_PY
 """
@@ -79,6 +79,17 @@ def main(bench, merge):
         assert all("kv_min" not in r for r in w["rows"]), "equal lengths: no kv_min"
         r = run([bench, *single, "--kv-min", "201"], expect_rc=2)
         assert "--kv-min 201 is past --kv-len 200" in r.stderr, r.stderr
+
+        # --q-dtype: an fp8 cache with a 16-bit query verifies and is named in both outputs; a
+        # dtype that is none is a usage error naming the option.
+        typed = os.path.join(tmp, "typed.json")
+        r = run([bench, *single, "--kv-dtype", "fp8", "--q-dtype", "bf16", "--json", typed])
+        rows = json.load(open(typed))["rows"]
+        assert rows and all(r["q_dtype"] == "bf16" and r["kv_dtype"] == "fp8e4m3" and r["verified"] for r in rows), rows
+        assert "fp8e4m3/bf16" in r.stdout, r.stdout
+        assert all("q_dtype" not in r for r in w["rows"]), "no --q-dtype: no q_dtype"
+        r = run([bench, *single, "--q-dtype", "fp4"], expect_rc=2)
+        assert "--q-dtype expects bf16, fp16 or fp8, got 'fp4'" in r.stderr, r.stderr
 
         # Runs of different cards, or timed after different L2 flushes, are not merged.
         for key, value, message in (("card", "another card", "card 'another card' differs"),
