@@ -1731,6 +1731,19 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
     EXPECT_EQ(name_for(15, 64, 100 * w16), "sm80-mma");      // below a batch of 16: any width
     EXPECT_EQ(name_for(64, 64, 3), "sm80-mma");              // short contexts at B 64
     EXPECT_EQ(name_for(256, 64, (12 * sms + 255) / 256), "sm90-wgmma");
+    // An fp8 cache at 16 rows or fewer: the Hopper kernel from a batch of 4, whatever the width.
+    const auto fp8_name_for = [&](int batch, int heads, int q_len) {
+      DecodeCase b = fixed(heads, 64, std::vector<int>(size_t(batch), 3), q_len);
+      b.q_dtype = b.kv_dtype = DType::kFP8E4M3;
+      const DecodeData bd = make_data(b);
+      DeviceData bdev(bd);
+      return std::string(mla_decode_kernel_name(bdev.args(bd)));
+    };
+    EXPECT_EQ(fp8_name_for(4, 16, 1), "sm90-wgmma");
+    EXPECT_EQ(fp8_name_for(3, 16, 1), "sm80-mma");
+    EXPECT_EQ(fp8_name_for(1, 8, 2), "sm80-mma");
+    EXPECT_EQ(fp8_name_for(64, 8, 2), "sm90-wgmma");
+    EXPECT_EQ(fp8_name_for(64, 128, 1), "sm80-mma");  // more than 16 rows: no fp8 Hopper kernel
   }
   MLA_TEST_CUDA(cudaDeviceSynchronize());
 }

@@ -122,9 +122,16 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 // Hopper kernel from a batch of 16 when that width allows 12 tiles an SM. A table as wide as
 // the longest context an engine serves then picks it from a batch of 16 whatever the lengths
 // (at most +5 %, at short ones).
+//
+// An fp8 cache (at most 16 rows: the only tiles it runs on the Hopper kernel) halves the bytes a
+// tile and the portable kernel's conversion pass costs more there, so the Hopper kernel wins from
+// far fewer tiles: on an H100 (16 heads; docs/perf-notes.md) B 4 kv 16k -17 %, B 8 kv 4k -10 %,
+// B 16 kv 1k -11 %, B 32 kv 1k -10 %, B 16 and 64 at 7.75 tiles an SM -16 %, but batch 1 +5 to
+// +6 % (kv 4k and 16k: one split request, the combine's share larger): from a batch of 4.
 constexpr int64_t kHopperMinRows = 17;
 constexpr int64_t kHopperFewRowsMinBatch = 16;
 constexpr int64_t kHopperFewRowsMinTilesPerSm = 12;
+constexpr int64_t kHopperFp8MinBatch = 4;
 
 bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
   if (args.kernel == DecodeKernel::kPortable) return false;
@@ -139,6 +146,7 @@ bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
   const int64_t max_q_len = args.cu_q_lens.empty() ? args.q_len : args.max_q_len;
   if (int64_t(max_q_len) * (q_main.ndim >= 2 ? q_main.shape[1] : 1) >= kHopperMinRows) return true;
   const int64_t batch = args.kv_lens.shape[0];
+  if (args.kv_cache.dtype == DType::kFP8E4M3) return batch >= kHopperFp8MinBatch;
   const int64_t width_tiles = (args.block_table.shape[1] * args.kv_cache.shape[1] + kBlockN - 1) / kBlockN;
   return batch >= kHopperFewRowsMinBatch &&
          batch * width_tiles >= kHopperFewRowsMinTilesPerSm * current_device_info().sm_count;
