@@ -1278,8 +1278,9 @@ TEST(GpuDecodeHopper, ManyItemsPerCta) {
 // An fp8 cache on the narrow consumers: the raw stage, its producer running up to an item ahead
 // and the converter. Queries of both 16-bit dtypes and fp8, every page size, lengths around tiles and
 // pages (the raw stage's boxes of pages of 16 and 32, the zero-filled rows past a request),
-// every row count up to 16 (heads x queries), variable query lengths, many items a CTA, a very
-// long request; the split and unsplit modes, k_scale != 1, NaN in unused cache slots.
+// 1, 8, 12, 15 and 16 rows a request (heads x queries), variable query lengths (requests of no
+// queries among many items a CTA), many items a CTA at pages of 64 and 16, a very long request;
+// the split and unsplit modes, k_scale != 1, NaN in unused cache slots.
 TEST(GpuDecodeHopper, Fp8CacheNarrowTiles) {
   MLA_REQUIRE_HOPPER();
   const auto fp8_case = [](int heads, int page, std::vector<int> lens, int q_len, DType q) {
@@ -1315,11 +1316,20 @@ TEST(GpuDecodeHopper, Fp8CacheNarrowTiles) {
   m.num_parts = 3;
   m.seed = 26400;
   check_case(m);
+  m.page_size = 16;  // four TMA boxes of 16 keys a raw box
+  m.seed = 26401;
+  check_case(m);
+  DecodeCase vm = v;  // requests of no queries inside CTAs of many items
+  vm.num_parts = 3;
+  vm.use_schedule = true;
+  vm.seed = 26402;
+  check_case(vm);
   DecodeCase l = fp8_case(16, 64, {131072}, 1, DType::kBF16);
   l.seed = 26500;
   check_case(l, /*both_modes=*/true);
-  // A full card: every SM streams tiles through its raw stage at once (a release of a raw group
-  // before its reads were done showed only under such load).
+  // A full card (in the scheduled mode; 48 CTAs unscheduled): every SM streams tiles through its
+  // raw stage at once (a release of a raw group before its reads were done showed only under
+  // such load).
   std::mt19937 rng(26550);
   std::vector<int> busy(48);
   for (int& k : busy) k = 1500 + int(rng() % 1100);
@@ -1691,6 +1701,16 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
       const MlaDecodeArgs ba = bdev.args(bd);
       if (applies) {
         EXPECT_STREQ(mla_decode_kernel_name(ba), "sm90-wgmma") << heads << " heads, q_len " << q_len;
+        if (q_dtype == DType::kFP8E4M3) {
+          // The same query with a bf16 cache: mla_decode refuses it, and the kernel name too.
+          DecodeCase m16 = b;
+          m16.kv_dtype = DType::kBF16;
+          const DecodeData md = make_data(m16);
+          DeviceData mdev(md);
+          const MlaDecodeArgs ma = mdev.args(md);
+          EXPECT_TRUE(throws_error([&] { mla_decode_kernel_name(ma); },
+                                   {"query is fp8e4m3 and the kv_cache bf16", "needs an fp8 cache"}));
+        }
       } else {
         EXPECT_TRUE(throws_error([&] { mla_decode_kernel_name(ba); },
                                  {"DecodeKernel::kHopper", "kv_cache is fp8e4m3", "at most 16 rows"}))

@@ -64,7 +64,7 @@ class Rng {
 // Absorbed decode: q [T, H, 576] over the paged cache [P, S, 576], out [T, H, 512], T = B * q_len.
 struct DecodeProblem {
   BenchCase c;
-  DType q_dtype = DType::kBF16;    // the cache dtype (an fp8 cache is read with an fp8 query)
+  DType q_dtype = DType::kBF16;    // --q-dtype, else the cache dtype (an fp8 cache with an fp8 query)
   DType out_dtype = DType::kBF16;
   float softmax_scale = 0;
   float q_scale = 1.0f;            // fp8 query only

@@ -113,10 +113,8 @@ DecodeProblem make_decode_problem(const BenchCase& c, uint64_t seed) {
   DecodeProblem p;
   p.c = c;
   p.q_dtype = c.q_dtype.value_or(c.kv_dtype);
-  // The output in the query's 16-bit dtype, else the cache's (bf16 where both are fp8).
-  p.out_dtype = p.q_dtype == DType::kFP16 || (p.q_dtype == DType::kFP8E4M3 && c.kv_dtype == DType::kFP16)
-                    ? DType::kFP16
-                    : DType::kBF16;
+  // The output in the query's 16-bit dtype (bf16 for an fp8 query: its cache is fp8 too).
+  p.out_dtype = p.q_dtype == DType::kFP16 ? DType::kFP16 : DType::kBF16;
   p.softmax_scale = float(1.0 / std::sqrt(192.0));
   if (c.kv_dtype == DType::kFP8E4M3) {
     p.q_scale = 1.0f;   // as serving engines quantise the query

@@ -92,7 +92,10 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
   if (is16(q.dtype) && is16(kv) && q.dtype != kv)
     return std::string("the query (") + std::string(dtype_name(q.dtype)) + ") and kv_cache (" + std::string(dtype_name(kv)) +
            ") dtypes differ";
-  if (!is16(kv)) {  // (an fp8 query comes with an fp8 cache: mla_decode's checks)
+  // (mla_decode refuses an fp8 query with a 16-bit cache before; mla_decode_kernel_name does not)
+  if (!is16(q.dtype) && is16(kv))
+    return "the query is fp8e4m3 and the kv_cache " + std::string(dtype_name(kv)) + " (an fp8 query needs an fp8 cache)";
+  if (!is16(kv)) {
     // An fp8 cache (and query) on its narrow consumers only: the 64-row tile leaves no shared
     // memory for a raw cache stage, and its Q loads do not convert.
     const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;

@@ -298,6 +298,7 @@ __device__ void run_raw_producer(const HopperParams& hp, uint8_t* smem, int begi
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
+    MLA_DECODE_STAMP_FIRST(kTraceItem);
     for (int t = 0; t < r.num_tiles; ++t) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);
@@ -305,7 +306,9 @@ __device__ void run_raw_producer(const HopperParams& hp, uint8_t* smem, int begi
         const int g = group_order(0, i);
         mbar_wait(&empty[g], phase ^ 1);
         issue_group(hp, item.request, key0, r.kv_end, row0, stage, g, &full[g], raw::kRowBytes);
+        if (i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
+      MLA_DECODE_STAMP_FIRST(kTraceIssued);
       phase ^= 1;
     }
   }
@@ -968,7 +971,8 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     if (r.valid_rows <= 0) continue;
     named_sync(kBarLeft, 128);  // the last item's staged rows are stored
     if (r.num_tiles > 0) {
-      if (kFp8 && p.q_is_fp8)
+      // (an fp8 query and cache compute in bf16: dispatch)
+      if (kFp8 && std::is_same_v<T, __nv_bfloat16> && p.q_is_fp8)
         load_q_fp8<T>(p, r, sq, wt);
       else
         load_q<T, 8>(p, r, sq, wt);
