@@ -48,6 +48,13 @@ namespace {
 
 constexpr int kDim = 576;
 constexpr int kVDim = 512;
+// An experiment build of the library (MLA_DECODE_KNOBS) whose Hopper kernel takes an fp8 cache at
+// row tiles of more than 16 rows (src/cuda/decode/decode_hopper.hpp).
+#if defined(MLA_DECODE_FP8_WIDE) && MLA_DECODE_FP8_WIDE
+constexpr bool kFp8WideTiles = true;
+#else
+constexpr bool kFp8WideTiles = false;
+#endif
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 struct Tolerance {
@@ -1355,6 +1362,50 @@ TEST(GpuDecodeHopper, Fp8CacheNarrowTiles) {
   check_case(vq, /*both_modes=*/true);
 }
 
+// An fp8 cache on the 64-row consumers (row tiles of 32 and 64 rows), converted from global
+// memory by the producer warpgroup: only in experiment builds with MLA_DECODE_FP8_WIDE.
+TEST(GpuDecodeHopper, Fp8CacheWideTiles) {
+  MLA_REQUIRE_HOPPER();
+  if (!kFp8WideTiles) GTEST_SKIP() << "the library was built without MLA_DECODE_FP8_WIDE";
+  const std::vector<int> lens = {0, 1, 15, 63, 64, 65, 127, 128, 129, 191, 700, 2049};
+  for (const auto& [heads, q_len, page, q] :
+       {std::tuple{128, 1, 64, DType::kBF16}, std::tuple{128, 1, 16, DType::kFP8E4M3},
+        std::tuple{64, 2, 32, DType::kFP16}, std::tuple{24, 1, 128, DType::kFP8E4M3},
+        std::tuple{96, 1, 64, DType::kBF16}}) {
+    DecodeCase c = hopper_case(heads, page, lens, q_len);
+    c.q_dtype = q;
+    c.kv_dtype = DType::kFP8E4M3;
+    c.out_dtype = q == DType::kFP16 ? DType::kFP32 : DType::kBF16;
+    c.k_scale = 0.0125f;
+    c.q_scale = q == DType::kFP8E4M3 ? 0.05f : 1.0f;
+    c.seed = uint64_t(27000 + heads * 10 + page + q_len);
+    check_case(c, /*both_modes=*/true);
+  }
+  DecodeCase v = hopper_case(128, 64, {10, 5, 64, 4000, 300, 129});
+  v.q_lens = {3, 0, 1, 8, 2, 5};
+  v.use_cu_q_lens = true;
+  v.q_dtype = v.kv_dtype = DType::kFP8E4M3;
+  v.q_scale = 0.5f;
+  v.seed = 27100;
+  check_case(v, /*both_modes=*/true);
+  DecodeCase m = hopper_case(128, 64, {0, 1, 64, 65, 128, 129, 700, 33, 0, 256, 5, 191, 192, 2, 0, 300, 64, 1000, 7, 130});
+  m.kv_dtype = DType::kFP8E4M3;
+  m.num_parts = 3;
+  m.seed = 27200;
+  check_case(m);
+  DecodeCase d = hopper_case(128, 64, {1, 700, 0, 65});  // the deterministic mode's 64-row tiles
+  d.kv_dtype = DType::kFP8E4M3;
+  d.kernel = DecodeKernel::kAuto;
+  d.use_schedule = false;
+  d.deterministic = true;
+  d.seed = 27300;
+  check_case(d);
+  d.use_schedule = true;  // split at fixed key positions
+  d.split_keys = 256;
+  d.seed = 27301;
+  check_case(d);
+}
+
 // Small enough for the race checker: an fp8 cache on the narrow consumers, pages of 32, split
 // keys over a few CTAs (item changes with the raw stage in flight).
 TEST(GpuDecodeHopper, Fp8CacheSmall) {
@@ -1681,16 +1732,19 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
   const DecodeData fd = make_data(f);
   DeviceData fdev(fd);
   MlaDecodeArgs fa = fdev.args(fd);
-  EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"DecodeKernel::kHopper"}));
+  if (!kFp8WideTiles || !hopper_expected())
+    EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"DecodeKernel::kHopper"}));
   if (hopper_expected()) {
-    EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"kv_cache is fp8e4m3", "row tiles have 64 rows", "at most 16 rows"}));
+    if (!kFp8WideTiles)
+      EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"kv_cache is fp8e4m3", "row tiles have 64 rows", "at most 16 rows"}));
     // An fp8 cache, with a 16-bit or an fp8 query: tiles of at most 16 rows (the narrow
     // consumers) only.
     for (const auto& [heads, q_len, deterministic, applies, q_dtype] :
          {std::tuple{16, 1, false, true, DType::kBF16}, std::tuple{8, 2, false, true, DType::kFP16},
-          std::tuple{16, 1, false, true, DType::kFP8E4M3}, std::tuple{16, 2, false, false, DType::kBF16},
-          std::tuple{128, 1, false, false, DType::kBF16}, std::tuple{128, 1, false, false, DType::kFP8E4M3},
-          std::tuple{16, 1, true, false, DType::kBF16}}) {
+          std::tuple{16, 1, false, true, DType::kFP8E4M3}, std::tuple{16, 2, false, kFp8WideTiles, DType::kBF16},
+          std::tuple{128, 1, false, kFp8WideTiles, DType::kBF16},
+          std::tuple{128, 1, false, kFp8WideTiles, DType::kFP8E4M3},
+          std::tuple{16, 1, true, kFp8WideTiles, DType::kBF16}}) {
       DecodeCase b = fixed(heads, 64, {5, 9}, q_len);
       b.q_dtype = q_dtype;
       b.kv_dtype = DType::kFP8E4M3;
@@ -1763,7 +1817,8 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
     EXPECT_EQ(fp8_name_for(3, 16, 1), "sm80-mma");
     EXPECT_EQ(fp8_name_for(1, 8, 2), "sm80-mma");
     EXPECT_EQ(fp8_name_for(64, 8, 2), "sm90-wgmma");
-    EXPECT_EQ(fp8_name_for(64, 128, 1), "sm80-mma");  // more than 16 rows: no fp8 Hopper kernel
+    // More than 16 rows: the portable kernel, or the Hopper kernel in an experiment build.
+    EXPECT_EQ(fp8_name_for(64, 128, 1), kFp8WideTiles ? "sm90-wgmma" : "sm80-mma");
   }
   MLA_TEST_CUDA(cudaDeviceSynchronize());
 }

@@ -96,11 +96,12 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
   if (!is16(q.dtype) && is16(kv))
     return "the query is fp8e4m3 and the kv_cache " + std::string(dtype_name(kv)) + " (an fp8 query needs an fp8 cache)";
   if (!is16(kv)) {
-    // An fp8 cache (and query) on its narrow consumers only: the 64-row tile leaves no shared
-    // memory for a raw cache stage, and its Q loads do not convert.
+    // An fp8 cache (and query) on its narrow consumers; on the 64-row ones (no raw stage fits
+    // there: the producer warpgroup converts from global memory) only in experiment builds
+    // (kHopperFp8WideTiles, decode_hopper.hpp).
     const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;
     const int block_m = call_block_m(args, q_main.ndim >= 2 ? q_main.shape[1] : 1);
-    if (block_m > 16)
+    if (block_m > 16 && !kHopperFp8WideTiles)
       return "the kv_cache is fp8e4m3 and the call's row tiles have " + std::to_string(block_m) +
              " rows (an fp8 cache takes tiles of at most 16 rows: max_q_len x heads <= 16, not deterministic)";
   }

@@ -340,12 +340,13 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r
   cp_async_wait<0>();
 }
 
-// An fp8 query (the narrow consumers: 128 threads, 8 a row, 16 rows): Q's rows converted to T as
-// they load, in load_q's layout (rows past valid_rows zero); every load in flight before the
-// first conversion.
-template <typename T>
+// An fp8 query: Q's rows converted to T as they load, in issue_q's layout (the 64-row consumers:
+// 256 threads, 4 a row; the narrow ones: 128 threads, 8 a row, 16 rows; rows past valid_rows
+// zero); every load in flight before the first conversion. The caller's fence and barrier make
+// the stores visible to the tensor cores, as for issue_q's copies.
+template <typename T, int kPerRow>
 __device__ __forceinline__ void load_q_fp8(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int t) {
-  constexpr int kPerRow = 8, kSteps = kHeadDim / 8 / kPerRow;  // 9 chunks of 8 values a thread
+  constexpr int kSteps = kHeadDim / 8 / kPerRow;  // chunks of 8 values a thread
   const int row = t / kPerRow, c0 = t % kPerRow;
   const bool valid = row < r.valid_rows;
   const QRow<uint8_t> q = q_row<uint8_t>(p, r.g.q_start, r.row0 + (valid ? row : 0));
@@ -846,8 +847,9 @@ __device__ __forceinline__ void right_pairs(const HopperParams& hp, const ItemRa
 
 // Both consumer warpgroups, one item loop and one epilogue: the warpgroup (left: WG1) picks its
 // pairs, and both run the same row sums and stores (one copy of that code, whose lines an SM
-// fetches once per item for both warpgroups instead of once each).
-template <typename T>
+// fetches once per item for both warpgroups instead of once each). kFp8: an fp8 cache, whose
+// kernel also takes an fp8 query (converted as it loads).
+template <typename T, bool kFp8>
 __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta,
                              bool left) {
   const DecodeParams& p = hp.p;
@@ -857,6 +859,8 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
   uint32_t xb_phase = 0;
   uint32_t phase[2] = {0, 0};
   uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
+  // (an fp8 query and cache compute in bf16: dispatch)
+  const bool fp8_q = kFp8 && std::is_same_v<T, __nv_bfloat16> && p.q_is_fp8;
 
   // Each item's Q is issued one pass ahead, as soon as this warpgroup's pairs of the item before
   // are done, so that its load overlaps the row sums and stores. Pass k runs item k's pairs (none
@@ -871,6 +875,9 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
     float l[2] = {0.0f, 0.0f};
     float o[128];
     if (it < end) {
+      // An fp8 query is converted here, not with the copies below (its registers would be live
+      // beside O's): as safe, this warpgroup's pairs of the item before being done.
+      if (fp8_q && r.num_tiles > 0) load_q_fp8<T, 4>(p, r, smem + SmemLayout::q, ct);
       cp_async_wait<0>();
       fence_proxy_async();
       named_sync(kBarItem, 256);  // every thread's chunks of Q have landed
@@ -898,7 +905,7 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
       next_r = item_range(p.layout, next, hp.block_m);
       if (next_r.valid_rows > 0) break;
     }
-    if (scan < end && next_r.num_tiles > 0) issue_q<T, 4>(p, next_r, smem + SmemLayout::q, ct);
+    if (scan < end && next_r.num_tiles > 0 && !fp8_q) issue_q<T, 4>(p, next_r, smem + SmemLayout::q, ct);
     if (it < end) {
       float inv_l[2];
       finish_rows(p, r, item, rs, smem, left, it, sums_phase, l, m, lane, inv_l);
@@ -973,7 +980,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     if (r.num_tiles > 0) {
       // (an fp8 query and cache compute in bf16: dispatch)
       if (kFp8 && std::is_same_v<T, __nv_bfloat16> && p.q_is_fp8)
-        load_q_fp8<T>(p, r, sq, wt);
+        load_q_fp8<T, 8>(p, r, sq, wt);
       else
         load_q<T, 8>(p, r, sq, wt);
     }
@@ -1143,22 +1150,30 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
   }
 }
 
-// An fp8 cache (narrow tiles): WG2 walks the same tiles as the producer and the consumer. Each
-// raw group, once landed, is read into registers and goes back to the producer; once the consumer
-// has released that group of the 16-bit stage t % 2, it is converted into it as TMA would have
-// written a 16-bit cache (boxes of 64 keys x 64 values, 128-byte swizzle), and the stage's full
-// barrier counts the converter's 128 arrivals (no bytes). Thread wt converts 16-byte chunks wt and wt + 128
-// of each raw box (key chunk / 4, values 16 (chunk % 4) ...): a warp reads 512 consecutive bytes,
-// and its eight lanes of a store phase write two keys' four chunk pairs, 32 distinct banks.
-template <typename T>
+// An fp8 cache: the converter walks the same tiles as the producer and the consumers and fills
+// each 16-bit stage group by group, as TMA would have written a 16-bit cache (boxes of 64 keys x
+// 64 values, 128-byte swizzle), once the consumers have released that group of stage t % 2; the
+// stage's full barrier counts the converter's 128 arrivals (no bytes). Thread wt converts
+// 16-byte chunks wt and wt + 128 of each box (key chunk / 4, values 16 (chunk % 4) ...): the same
+// two keys in every box; a warp reads 8 keys' 64 bytes a box, and its eight lanes of a store
+// phase write two keys' four chunk pairs, 32 distinct banks.
+//   Narrow tiles (kWide false): WG2, from the raw stage. Each raw group, once landed, is read
+//   into registers and goes back to the producer before the wait for the 16-bit stage: the raw
+//   stage is what bounds the bytes in flight. The fence orders these reads before the next TMA
+//   writes (another proxy); without it the TMA overwrote rows not yet read.
+//   64-row tiles (kWide true): the producer warpgroup, from global memory (no raw stage fits
+//   beside Q and two 16-bit stages), with thread 0's L2 prefetch of the tiles one and two ahead;
+//   a group's loads are in flight before the wait for its stage, in the consumers' release order.
+template <typename T, bool kWide>
 __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
   const DecodeParams& p = hp.p;
-  const int wt = int(threadIdx.x) - 256;
+  const int wt = int(threadIdx.x) - (kWide ? 0 : 256);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
   uint64_t* raw_full = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full);
   uint64_t* raw_empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty);
   const uint8_t* raw = smem + SmemLayout::q + raw::kOffset;
+  const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
   uint32_t phases = 0, raw_phase = 0;  // phases bit s: the parity of stage s's barriers
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
@@ -1166,25 +1181,43 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
 #pragma unroll 1
     for (int t = 0; t < r.num_tiles; ++t) {
       const int st = t & 1;
+      const int key0 = r.kv_begin + t * kBlockN;
       uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
+      int64_t slot[2] = {0, 0};  // kWide: this thread's two keys' cache slots (-1: zeros)
+      if constexpr (kWide) {
 #pragma unroll
+        for (int k = 0; k < 2; ++k) slot[k] = cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end);
+        if (wt == 0)
+          for (int ahead = t == 0 ? 1 : 2; ahead <= 2; ++ahead)
+            for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
+              prefetch_keys_l2(p, item.request, key0 + ahead * kBlockN + sub, hp.box_rows, r.kv_end);
+      }
+      // (kWide: the groups' order depends on the stage; one loop body keeps the code small)
+#pragma unroll(kWide ? 1 : kGroups)
       for (int i = 0; i < kGroups; ++i) {
-        const int g = group_order(0, i);
-        // The group into registers and back to the producer before the wait for the stage: the
-        // raw stage is what bounds the bytes in flight. The fence orders these reads before
-        // the next TMA writes (another proxy); without it the TMA overwrote rows not yet read.
-        mbar_wait(&raw_full[g], raw_phase);
+        const int g = group_order(kWide ? st : 0, i);
         constexpr int kMaxChunks = 8;  // a group of 4 boxes, two chunks a box
         uint4 v[kMaxChunks];
         const int first = group_first_box(g), chunks = 2 * group_boxes(g);
+        if constexpr (kWide) {
 #pragma unroll
-        for (int j = 0; j < chunks; ++j) {
-          const int chunk = wt + 128 * (j & 1);
-          v[j] = *reinterpret_cast<const uint4*>(raw + (first + (j >> 1)) * kBoxBytes + (chunk >> 2) * raw::kRowBytes +
-                                                 (chunk & 3) * 16);
+          for (int j = 0; j < chunks; ++j) {
+            const int64_t sl = slot[j & 1];
+            v[j] = sl >= 0 ? __ldg(reinterpret_cast<const uint4*>(cache + sl * kHeadDim + (first + (j >> 1)) * 64 +
+                                                                  (wt & 3) * 16))
+                           : make_uint4(0, 0, 0, 0);
+          }
+        } else {
+          mbar_wait(&raw_full[g], raw_phase);
+#pragma unroll
+          for (int j = 0; j < chunks; ++j) {
+            const int chunk = wt + 128 * (j & 1);
+            v[j] = *reinterpret_cast<const uint4*>(raw + (first + (j >> 1)) * kBoxBytes +
+                                                   (chunk >> 2) * raw::kRowBytes + (chunk & 3) * 16);
+          }
+          fence_proxy_async();
+          mbar_arrive(&raw_empty[g]);
         }
-        fence_proxy_async();
-        mbar_arrive(&raw_empty[g]);
         mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
 #pragma unroll
         for (int j = 0; j < chunks; ++j) {
@@ -1196,10 +1229,10 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
           *reinterpret_cast<uint4*>(box + swizzled_offset(key, col)) = lo;
           *reinterpret_cast<uint4*>(box + swizzled_offset(key, col + 8)) = hi;
         }
-        fence_proxy_async();  // the stores, before the consumer's wgmma reads them
+        fence_proxy_async();  // the stores, before the consumers' wgmma reads them
         mbar_arrive(&full[st * kGroups + g]);
       }
-      raw_phase ^= 1;
+      if constexpr (!kWide) raw_phase ^= 1;
       phases ^= 1u << st;
     }
   }
@@ -1211,7 +1244,6 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
 template <typename T, bool kNarrow, bool kFp8>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     mla_decode_hopper_kernel(const __grid_constant__ HopperParams hp) {
-  static_assert(kNarrow || !kFp8, "an fp8 cache takes the narrow consumers only");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by an offset from the __shared__ array (not through an integer), so that the compiler
   // still knows every pointer derived from it is shared memory and emits STS / LDS rather than
@@ -1258,9 +1290,12 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   if (wg == 0) {
     // The narrow consumers need fewer registers; the producer takes 16 more (its loop then keeps
     // the work range in registers). Narrow: 128 x 56 + 256 x 224 = 64,512 of the CTA's 64,512
-    // (168 a thread at launch); 64-row tiles: 128 x 40 + 256 x 232 = 64,512.
-    setmaxnreg_dec<kNarrow ? 56 : 40>();
-    if constexpr (kFp8) {
+    // (168 a thread at launch); 64-row tiles: 128 x 40 + 256 x 232 = 64,512, with an fp8 cache
+    // 56 / 224 (the converter holds a group's loads: 32 registers).
+    setmaxnreg_dec<kNarrow || kFp8 ? 56 : 40>();
+    if constexpr (kFp8 && !kNarrow) {
+      run_converter<T, true>(hp, smem, begin, end, lane);
+    } else if constexpr (kFp8) {
       if (threadIdx.x == 0) {
         cta_work(p, hp.block_m, &begin, &end, &lane);
         run_raw_producer(hp, smem, begin, end, lane);
@@ -1270,16 +1305,16 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
     }
   } else {
-    setmaxnreg_inc<kNarrow ? 224 : 232>();
+    setmaxnreg_inc<kNarrow || kFp8 ? 224 : 232>();
     if constexpr (kNarrow) {
       if (wg == 1) {
         run_narrow_consumer<T, kFp8>(hp, smem);
       } else if constexpr (kFp8) {
         cta_work(p, hp.block_m, &begin, &end, &lane);
-        run_converter<T>(hp, smem, begin, end, lane);
+        run_converter<T, false>(hp, smem, begin, end, lane);
       }  // else WG2 has nothing to do
     } else
-      run_consumer<T>(hp, smem, begin, end, lane, wg == 1);
+      run_consumer<T, kFp8>(hp, smem, begin, end, lane, wg == 1);
   }
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   __syncthreads();
@@ -1323,7 +1358,7 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
 
   // An fp8 cache: its bytes in the same boxes, unswizzled (the converter reads them).
   const bool fp8 = params.kv_is_fp8 != 0;
-  MLA_CHECK(!fp8 || block_m <= 16,
+  MLA_CHECK(!fp8 || block_m <= 16 || kHopperFp8WideTiles,
             "mla_decode: the Hopper kernel takes an fp8 cache (and query) for row tiles of at most 16 rows, got ",
             block_m);
   const cuuint64_t dims[2] = {cuuint64_t(kHeadDim), cuuint64_t(params.num_pages) * cuuint64_t(page_size)};
@@ -1354,8 +1389,11 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
     opt_in_dynamic_smem<kernel>(SmemLayout::bytes);
     launch_dependent(kernel, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes, stream, hp);
   };
-  if (fp8)
+  if (fp8 && block_m <= 16)
     launch(std::true_type{}, std::true_type{});
+  else if (fp8) {
+    if constexpr (kHopperFp8WideTiles) launch(std::false_type{}, std::true_type{});  // (checked above)
+  }
   else if (block_m <= 16)
     launch(std::true_type{}, std::false_type{});
   else
