@@ -1185,6 +1185,7 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
       uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
       int64_t slot[2] = {0, 0};  // kWide: this thread's two keys' cache slots (-1: zeros)
       if constexpr (kWide) {
+        if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);  // (the trace's "issued": converted)
 #pragma unroll
         for (int k = 0; k < 2; ++k) slot[k] = cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end);
         if (wt == 0)
@@ -1231,7 +1232,9 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
         }
         fence_proxy_async();  // the stores, before the consumers' wgmma reads them
         mbar_arrive(&full[st * kGroups + g]);
+        if (kWide && wt == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
+      if (kWide && wt == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
       if constexpr (!kWide) raw_phase ^= 1;
       phases ^= 1u << st;
     }
