@@ -1150,6 +1150,17 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
   }
 }
 
+// 16 fp8 values (key `key` of box c, values col .. col + 15 of the box) into box c of a 16-bit
+// stage, converted, in TMA's layout.
+template <typename T>
+__device__ __forceinline__ void store_converted(uint8_t* stage, int c, int key, int col, const uint4& v) {
+  uint4 lo, hi;
+  fp8x16_to<T>(v, lo, hi);
+  uint8_t* box = stage + c * kBoxBytes;
+  *reinterpret_cast<uint4*>(box + swizzled_offset(key, col)) = lo;
+  *reinterpret_cast<uint4*>(box + swizzled_offset(key, col + 8)) = hi;
+}
+
 // An fp8 cache: the converter walks the same tiles as the producer and the consumers and fills
 // each 16-bit stage group by group, as TMA would have written a 16-bit cache (boxes of 64 keys x
 // 64 values, 128-byte swizzle), once the consumers have released that group of stage t % 2; the
@@ -1222,13 +1233,8 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
         mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
 #pragma unroll
         for (int j = 0; j < chunks; ++j) {
-          const int chunk = wt + 128 * (j & 1), key = chunk >> 2, col = (chunk & 3) * 16;
-          const int c = first + (j >> 1);
-          uint4 lo, hi;
-          fp8x16_to<T>(v[j], lo, hi);
-          uint8_t* box = stage + c * kBoxBytes;
-          *reinterpret_cast<uint4*>(box + swizzled_offset(key, col)) = lo;
-          *reinterpret_cast<uint4*>(box + swizzled_offset(key, col + 8)) = hi;
+          const int chunk = wt + 128 * (j & 1);
+          store_converted<T>(stage, first + (j >> 1), chunk >> 2, (chunk & 3) * 16, v[j]);
         }
         fence_proxy_async();  // the stores, before the consumers' wgmma reads them
         mbar_arrive(&full[st * kGroups + g]);
