@@ -104,7 +104,10 @@ Verification verify_decode(const DecodeProblem& p, const HostBuffer& out, uint64
   const double work = double(p.num_tokens()) * c.heads * c.kv_len * (kLatentDim + kKvLoraRank);
   Verification v;
   v.full = work <= kFullCheckBudget;
-  v.tolerance = tolerance_for(c.kv_dtype);
+  // Decode converts an fp8 cache and query exactly to its 16-bit compute dtype (that of the
+  // output), so the output's dtype bounds the error whatever the inputs: a tolerance of 1e-1 for
+  // fp8 let a race through in one of four rows (docs/perf-notes.md: the fp8 raw stage).
+  v.tolerance = tolerance_for(p.out_dtype);
   v.non_finite = count_non_finite(out);
   const std::vector<int> requests = v.full ? all_indices(c.batch) : sample_indices(c.batch, 1, rng);
   const std::vector<int> heads = v.full ? all_indices(c.heads) : sample_indices(c.heads, 1, rng);
