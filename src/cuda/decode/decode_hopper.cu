@@ -29,8 +29,9 @@
 // consumers instead (run_narrow_consumer): the keys are M, so a 16-row tile costs a quarter of the
 // 64-row tile's tensor work; WG1 runs every tile of the item alone, WG2 idles.
 //
-// An fp8 cache takes the narrow consumers only (the 64-row tile's Q and two 16-bit stages leave
-// no room for a raw stage): thread 0 of WG0 loads every tile of an item, as raw fp8 bytes, into
+// An fp8 cache takes the narrow consumers (the 64-row tile's Q and two 16-bit stages leave no
+// room for a raw stage; an experiment build converts for them from global memory instead:
+// kHopperFp8WideTiles, run_converter): thread 0 of WG0 loads every tile of an item, as raw fp8 bytes, into
 // one raw stage inside the Q region (the narrow Q uses 16 of each box's 64 rows); WG2 reads each
 // raw group as it lands, releases it, and converts it into the 16-bit stage t % 2 once the
 // consumer has released that group (the layout TMA writes for a 16-bit cache). WG1 runs as for
@@ -350,15 +351,15 @@ __device__ __forceinline__ void load_q_fp8(const DecodeParams& p, const ItemRang
   const int row = t / kPerRow, c0 = t % kPerRow;
   const bool valid = row < r.valid_rows;
   const QRow<uint8_t> q = q_row<uint8_t>(p, r.g.q_start, r.row0 + (valid ? row : 0));
-  uint2 raw[kSteps];
+  uint2 bytes[kSteps];
 #pragma unroll
   for (int j = 0; j < kSteps; ++j)
-    raw[j] = valid ? *reinterpret_cast<const uint2*>(q.chunk(c0 + kPerRow * j)) : make_uint2(0, 0);
+    bytes[j] = valid ? *reinterpret_cast<const uint2*>(q.chunk(c0 + kPerRow * j)) : make_uint2(0, 0);
 #pragma unroll
   for (int j = 0; j < kSteps; ++j) {
     const int c = c0 + kPerRow * j;
-    const uint4 v = make_uint4(fp8x2_to<T>(raw[j].x & 0xffff), fp8x2_to<T>(raw[j].x >> 16),
-                               fp8x2_to<T>(raw[j].y & 0xffff), fp8x2_to<T>(raw[j].y >> 16));
+    const uint4 v = make_uint4(fp8x2_to<T>(bytes[j].x & 0xffff), fp8x2_to<T>(bytes[j].x >> 16),
+                               fp8x2_to<T>(bytes[j].y & 0xffff), fp8x2_to<T>(bytes[j].y >> 16));
     *reinterpret_cast<uint4*>(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8)) = v;
   }
 }
