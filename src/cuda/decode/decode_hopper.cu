@@ -1250,7 +1250,8 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
 
 // kNarrow: the row-tile class (tiles of at most 16 rows, run_narrow_consumer; else 32 or 64 rows,
 // run_consumer), a template parameter like the portable kernel's kRowTiles: the two classes differ
-// in their register split and their consumers' code. kFp8: an fp8 cache (narrow tiles only).
+// in their register split and their consumers' code. kFp8: an fp8 cache (64-row tiles only in
+// experiment builds: kHopperFp8WideTiles).
 template <typename T, bool kNarrow, bool kFp8>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     mla_decode_hopper_kernel(const __grid_constant__ HopperParams hp) {
