@@ -14,7 +14,9 @@
 //   WG0  producers: thread 0 loads the even tiles into stage 0 (groups L, R, PE in that order),
 //        thread 32 the odd tiles into stage 1 (R, L, PE): each group as soon as it is released,
 //        and, where the request's rows span several row tiles (so that other CTAs read the same
-//        keys), the stage's next tile is prefetched to L2 right after.
+//        keys), the stage's next tile is prefetched to L2 right after. (An fp8 cache: below;
+//        in experiment builds, 64-row tiles of an fp8 cache and small pages: all 128 threads,
+//        run_converter and run_row_loader.)
 //   WG1  owns O[:, 0:256] and the even tiles' scores; WG2 owns O[:, 256:512] and the odd ones'.
 //        The order within a pair is at run_left: each warpgroup issues the scores of its next
 //        tile before the pair's last waits; the row max goes WG1 -> WG2 (m0), the odd tile's P
