@@ -310,7 +310,6 @@ __device__ void run_row_loader(const HopperParams& hp, uint8_t* smem, int begin,
       const int st = t & 1;
       const int key0 = r.kv_begin + t * kBlockN;
       uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
-      if (prefetch && wt < kBlockN) prefetch_keys_l2(p, item.request, key0 + 2 * kBlockN + wt, 1, r.kv_end);
 #pragma unroll 1
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(kNarrow ? 0 : st, i);
@@ -345,13 +344,18 @@ __device__ void run_row_loader(const HopperParams& hp, uint8_t* smem, int begin,
         }
         pending = st * kGroups + g;
       }
+      // After the tile's groups (the tile before's last one was signalled after this one's first),
+      // so that the prefetch's table load is off that path.
+      if (prefetch && wt < kBlockN) prefetch_keys_l2(p, item.request, key0 + 2 * kBlockN + wt, 1, r.kv_end);
       phases ^= 1u << st;
     }
-  }
-  if (pending >= 0) {
-    cp_async_wait<0>();
-    fence_proxy_async();
-    mbar_arrive(&full[pending]);
+    // The item's last group signalled before the next item's dependent loads (fetch_item).
+    if (pending >= 0) {
+      cp_async_wait<0>();
+      fence_proxy_async();
+      mbar_arrive(&full[pending]);
+      pending = -1;
+    }
   }
 }
 
