@@ -50,6 +50,19 @@ inline TensorView copy_index_vector_to_host(const TensorView& src, int64_t n, st
   return TensorView::contiguous(storage.data(), src.dtype, {n}, Device::cpu());
 }
 
+// check_metadata of an op with one contiguous index vector (args.*field, n values): the CPU path's
+// `check` run on a copy of args whose field is a host copy of it, before anything is launched.
+template <typename Args, typename Check>
+void check_index_vector_on_host(const char* op, const char* what, const Args& args, TensorView Args::*field,
+                                int64_t n, cudaStream_t stream, Check check) {
+  require_not_capturing(op, what, stream);
+  std::vector<int64_t> storage;
+  Args host = args;
+  host.*field = copy_index_vector_to_host(args.*field, n, storage, stream);
+  MLA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  check(host);
+}
+
 // A contiguous host view of such a copy.
 inline TensorView host_int32_view(std::vector<int32_t>& values, std::initializer_list<int64_t> shape) {
   return TensorView::contiguous(values.data(), DType::kInt32, shape, Device::cpu());

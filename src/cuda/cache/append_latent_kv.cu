@@ -13,8 +13,6 @@
 // (the CPU keeps the later one); callers give distinct slots.
 //
 // History: v1 (this version) — chunk-per-thread scatter with 16-byte vector I/O.
-#include <vector>
-
 #include "cpu/cpu_ops.hpp"
 #include "cuda/common/elementwise.cuh"
 #include "cuda/cuda_ops.hpp"
@@ -98,14 +96,9 @@ void append_latent_kv(const AppendLatentKvArgs& args, Stream stream) {
   p.k_scale = args.k_scale;
   p.vectorised = rows_aligned16(args.k_nope) && rows_aligned16(args.k_pe) && rows_aligned16(cache);
   if (p.num_tokens == 0) return;
-  if (args.check_metadata) {  // loc is contiguous (checked before)
-    require_not_capturing(op, "loc", to_cuda(stream));
-    std::vector<int64_t> storage;
-    AppendLatentKvArgs host = args;
-    host.loc = copy_index_vector_to_host(args.loc, p.num_tokens, storage, to_cuda(stream));
-    MLA_CUDA_CHECK(cudaStreamSynchronize(to_cuda(stream)));
-    cpu::check_append_locs(host);
-  }
+  if (args.check_metadata)  // loc is contiguous (checked before)
+    check_index_vector_on_host(op, "loc", args, &AppendLatentKvArgs::loc, p.num_tokens, to_cuda(stream),
+                               cpu::check_append_locs);
 
   constexpr int kThreads = 256;
   dispatch_float_dtype(op, "k_nope", args.k_nope.dtype, [&](auto in_tag) {

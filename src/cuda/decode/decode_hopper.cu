@@ -243,6 +243,20 @@ __device__ __forceinline__ void issue_group(const HopperParams& hp, int request,
   }
 }
 
+// Whether other CTAs read the item's keys too (the request's rows span several row tiles: 128
+// heads, or 64 with two queries): only there does an L2 prefetch pay, the second reader finding
+// the tile in L2. A tile with one reader is read from DRAM once either way, and there the
+// prefetch cost 13 % at 16 heads (B 128, kv 16k, docs/perf-notes.md).
+__device__ __forceinline__ bool keys_shared(const HopperParams& hp, const ItemRange& r) {
+  return row_tiles(r.g.q_len, hp.p.layout.num_heads, hp.block_m) > 1;
+}
+
+// The 64-key tile from key0 asked of L2, one bulk prefetch a page run.
+__device__ __forceinline__ void prefetch_tile_l2(const HopperParams& hp, int request, int key0, int kv_end) {
+  for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
+    prefetch_keys_l2(hp.p, request, key0 + sub, hp.box_rows, kv_end);
+}
+
 // The producer of one stage: walks the CTA's items and loads the tiles t with t % 2 == stage.
 __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, int begin, int end,
                              int lane_of_cta) {
@@ -256,11 +270,7 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
-    // The L2 prefetch pays only where other CTAs read the same tiles (the request's rows span
-    // several row tiles: 128 heads, or 64 with two queries): the second reader finds the tile in
-    // L2. A tile with one reader is read from DRAM once either way, and there the prefetch cost
-    // 13 % at 16 heads (B 128, kv 16k, docs/perf-notes.md).
-    const bool prefetch = row_tiles(r.g.q_len, p.layout.num_heads, hp.block_m) > 1;
+    const bool prefetch = keys_shared(hp, r);
     for (int t = stage; t < r.num_tiles; t += 2) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);
@@ -272,9 +282,7 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
       // The stage's next tile to L2, so that its load waits for L2 once the stage is released.
-      if (prefetch)
-        for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
-          prefetch_keys_l2(p, item.request, key0 + 2 * kBlockN + sub, hp.box_rows, r.kv_end);
+      if (prefetch) prefetch_tile_l2(hp, item.request, key0 + 2 * kBlockN, r.kv_end);
       phase ^= 1;
     }
   }
@@ -304,7 +312,7 @@ __device__ void run_row_loader(const HopperParams& hp, uint8_t* smem, int begin,
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
-    const bool prefetch = row_tiles(r.g.q_len, p.layout.num_heads, hp.block_m) > 1;
+    const bool prefetch = keys_shared(hp, r);
 #pragma unroll 1
     for (int t = 0; t < r.num_tiles; ++t) {
       const int st = t & 1;
@@ -1283,8 +1291,7 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
         for (int k = 0; k < 2; ++k) slot[k] = cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end);
         if (wt == 0)
           for (int ahead = t == 0 ? 1 : 2; ahead <= 2; ++ahead)
-            for (int sub = 0; sub < kBlockN; sub += hp.box_rows)
-              prefetch_keys_l2(p, item.request, key0 + ahead * kBlockN + sub, hp.box_rows, r.kv_end);
+            prefetch_tile_l2(hp, item.request, key0 + ahead * kBlockN, r.kv_end);
       }
       // (kWide: the groups' order depends on the stage; one loop body keeps the code small)
 #pragma unroll(kWide ? 1 : kGroups)

@@ -22,8 +22,6 @@
 //
 // History: v1 — chunk-per-thread, 16-byte vector I/O, no fma contraction; a bad position's rows
 // left untouched. v2 (this version) — a bad position's rows written NaN.
-#include <vector>
-
 #include "cpu/cpu_ops.hpp"
 #include "cuda/common/elementwise.cuh"
 #include "cuda/cuda_ops.hpp"
@@ -152,14 +150,9 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream) {
   const DeviceGuard guard(args.q_out.device);
   const int64_t num_tokens = args.q_nope.shape[0];
   if (num_tokens == 0) return;
-  if (args.check_metadata) {  // positions is contiguous (checked before)
-    require_not_capturing("rope_quantize", "positions", to_cuda(stream));
-    std::vector<int64_t> storage;
-    RopeQuantizeArgs host = args;
-    host.positions = copy_index_vector_to_host(args.positions, num_tokens, storage, to_cuda(stream));
-    MLA_CUDA_CHECK(cudaStreamSynchronize(to_cuda(stream)));
-    cpu::check_rope_positions(host);
-  }
+  if (args.check_metadata)  // positions is contiguous (checked before)
+    check_index_vector_on_host("rope_quantize", "positions", args, &RopeQuantizeArgs::positions, num_tokens,
+                               to_cuda(stream), cpu::check_rope_positions);
 
   RopeRowsParams common{};
   common.cos_sin = static_cast<const float*>(args.cos_sin_cache.data);
