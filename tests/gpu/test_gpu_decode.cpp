@@ -55,13 +55,6 @@ constexpr bool kFp8WideTiles = true;
 #else
 constexpr bool kFp8WideTiles = false;
 #endif
-// An experiment build whose Hopper kernel loads pages below this many tokens with cp.async (and
-// so takes pages below 16); 0: none.
-#if defined(MLA_DECODE_ROW_LOADER)
-constexpr int kRowLoaderPages = MLA_DECODE_ROW_LOADER;
-#else
-constexpr int kRowLoaderPages = 0;
-#endif
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 struct Tolerance {
@@ -1369,37 +1362,6 @@ TEST(GpuDecodeHopper, Fp8CacheNarrowTiles) {
   check_case(vq, /*both_modes=*/true);
 }
 
-// Pages loaded with cp.async by the producer warpgroup instead of TMA: only in experiment builds
-// with MLA_DECODE_ROW_LOADER=N (pages below N tokens). Every page size it takes, both consumer
-// classes, lengths around tiles and pages, variable query lengths, many items a CTA.
-TEST(GpuDecodeHopper, RowLoaderPages) {
-  MLA_REQUIRE_HOPPER();
-  if (kRowLoaderPages <= 1) GTEST_SKIP() << "the library was built without MLA_DECODE_ROW_LOADER (or N <= 1)";
-  const std::vector<int> lens = {0, 1, 7, 8, 9, 63, 64, 65, 127, 128, 129, 700, 2049};
-  for (int page = 1; page < kRowLoaderPages; page *= 2) {
-    for (const auto& [heads, q_len, dtype] : {std::tuple{16, 1, DType::kBF16}, std::tuple{128, 1, DType::kFP16},
-                                              std::tuple{64, 2, DType::kBF16}, std::tuple{5, 3, DType::kFP16}}) {
-      DecodeCase c = hopper_case(heads, page, lens, q_len);
-      c.q_dtype = c.kv_dtype = dtype;
-      c.seed = uint64_t(28000 + 10 * page + heads + q_len);
-      check_case(c, /*both_modes=*/true);
-    }
-  }
-  DecodeCase v = hopper_case(128, 1, {10, 5, 64, 4000, 300, 129});
-  v.q_lens = {3, 0, 1, 8, 2, 5};
-  v.use_cu_q_lens = true;
-  v.seed = 28100;
-  check_case(v, /*both_modes=*/true);
-  DecodeCase m = hopper_case(16, 1, {0, 1, 64, 65, 128, 129, 700, 33, 0, 256, 5, 191, 192, 2, 0, 300, 64, 1000, 7, 130});
-  m.page_size = kRowLoaderPages > 2 ? 2 : 1;
-  m.num_parts = 3;
-  m.seed = 28200;
-  check_case(m);
-  m.num_heads = 128;
-  m.seed = 28201;
-  check_case(m);
-}
-
 // An fp8 cache on the 64-row consumers (row tiles of 32 and 64 rows), converted from global
 // memory by the producer warpgroup: only in experiment builds with MLA_DECODE_FP8_WIDE.
 TEST(GpuDecodeHopper, Fp8CacheWideTiles) {
@@ -1754,11 +1716,9 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
   const DecodeData d = make_data(c);
   DeviceData dev(d);
   MlaDecodeArgs a = dev.args(d);
-  if (kRowLoaderPages <= 8 || !hopper_expected()) {  // (an experiment build's row loader takes it)
-    EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"mla_decode", "DecodeKernel::kHopper"}));
-    EXPECT_TRUE(throws_error([&] { mla_decode_kernel_name(a); }, {"DecodeKernel::kHopper"}));
-  }
-  if (hopper_expected() && kRowLoaderPages <= 8) {
+  EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"mla_decode", "DecodeKernel::kHopper"}));
+  EXPECT_TRUE(throws_error([&] { mla_decode_kernel_name(a); }, {"DecodeKernel::kHopper"}));
+  if (hopper_expected()) {
     EXPECT_TRUE(throws_error([&] { mla_decode(a); }, {"page size 8 is below 16"}));
   }
   a.kernel = DecodeKernel::kAuto;  // falls back to the portable kernel

@@ -74,12 +74,10 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* 
 
 // 16-byte async copy; when `valid` is false the destination is filled with zeros and the source
 // is not read (src must still be a valid-looking address; pass any in-bounds pointer).
-__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src, bool valid = true) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
-}
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid = true) {
-  cp_async_16(smem_addr(smem_dst), gmem_src, valid);
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)),
+               "l"(gmem_src), "r"(src_bytes));
 }
 // Asks L2 to fetch [ptr, ptr + bytes) without waiting for it: one bulk prefetch on sm_90 (ptr
 // 16-byte aligned, bytes a multiple of 16), one prefetch per 128-byte line before.

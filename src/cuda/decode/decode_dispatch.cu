@@ -106,9 +106,7 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
              " rows (an fp8 cache takes tiles of at most 16 rows: max_q_len x heads <= 16, not deterministic)";
   }
   const int64_t page_size = args.kv_cache.shape[1];
-  // (pages below 16 only in experiment builds whose row loader takes them: decode_hopper.hpp)
-  if (page_size < 16 && !(kv != DType::kFP8E4M3 && page_size < kHopperRowLoaderPages))
-    return "the page size " + std::to_string(page_size) + " is below 16";
+  if (page_size < 16) return "the page size " + std::to_string(page_size) + " is below 16";
   const int64_t rows = args.kv_cache.shape[0] * page_size;
   if (rows < 1 || rows > INT_MAX)
     return "the kv_cache has " + std::to_string(rows) + " token slots (needs 1 to 2^31 - 1)";

@@ -14,9 +14,7 @@
 //   WG0  producers: thread 0 loads the even tiles into stage 0 (groups L, R, PE in that order),
 //        thread 32 the odd tiles into stage 1 (R, L, PE): each group as soon as it is released,
 //        and, where the request's rows span several row tiles (so that other CTAs read the same
-//        keys), the stage's next tile is prefetched to L2 right after. (An fp8 cache: below;
-//        in experiment builds, 64-row tiles of an fp8 cache and small pages: all 128 threads,
-//        run_converter and run_row_loader.)
+//        keys), the stage's next tile is prefetched to L2 right after.
 //   WG1  owns O[:, 0:256] and the even tiles' scores; WG2 owns O[:, 256:512] and the odd ones'.
 //        The order within a pair is at run_left: each warpgroup issues the scores of its next
 //        tile before the pair's last waits; the row max goes WG1 -> WG2 (m0), the odd tile's P
@@ -284,85 +282,6 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
       // The stage's next tile to L2, so that its load waits for L2 once the stage is released.
       if (prefetch) prefetch_tile_l2(hp, item.request, key0 + 2 * kBlockN, r.kv_end);
       phase ^= 1;
-    }
-  }
-}
-
-// Pages below kHopperRowLoaderPages tokens (experiment knob MLA_DECODE_ROW_LOADER=N; 16-bit
-// caches): the producer warpgroup's 128 threads load each stage group with cp.async instead of
-// TMA (a TMA box a page: 64 / page loads a box, +37 % at pages of 16, 128 heads), tile by tile. A
-// group's full barrier counts the 128 threads, each arriving once its copies of the group have
-// landed (cp.async.wait_group) and a proxy fence has made them visible to wgmma. At most two
-// groups in flight a thread, and a blocking wait on a stage's empty barrier only with none in
-// flight unsignalled (the consumers may need an earlier group to release a later one: the order
-// of docs/perf-notes.md's fp8 converter for 64-row tiles), so the next group is issued early
-// only where mbar_test finds its stage free. Thread wt copies, of an L or R group, chunk wt % 32
-// (16 bytes) of keys wt / 32 + 4 j (j < 16): a warp copies one key's 512 contiguous bytes an
-// instruction; of the PE group, chunk wt % 8 of keys wt / 8 + 16 j (j < 4). Keys without a slot
-// are zero-filled.
-template <bool kNarrow>
-__device__ void run_row_loader(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
-  const DecodeParams& p = hp.p;
-  const int wt = int(threadIdx.x);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
-  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
-  const char* cache = static_cast<const char*>(p.kv_cache);
-  uint32_t phases = 0;  // bit s: the parity of stage s's barriers
-  int pending = -1;     // the full barrier of the group in flight, not yet signalled (-1: none)
-  for (int it = begin; it < end; ++it) {
-    const WorkItem item = fetch_item(p, it, lane_of_cta);
-    const ItemRange r = item_range(p.layout, item, hp.block_m);
-    const bool prefetch = keys_shared(hp, r);
-#pragma unroll 1
-    for (int t = 0; t < r.num_tiles; ++t) {
-      const int st = t & 1;
-      const int key0 = r.kv_begin + t * kBlockN;
-      uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
-#pragma unroll 1
-      for (int i = 0; i < kGroups; ++i) {
-        const int g = group_order(kNarrow ? 0 : st, i);
-        uint64_t* stage_empty = &empty[st * kGroups + g];
-        const uint32_t parity = ((phases >> st) & 1) ^ 1;
-        if (pending >= 0 && !mbar_test(stage_empty, parity)) {
-          cp_async_wait<0>();
-          fence_proxy_async();
-          mbar_arrive(&full[pending]);
-          pending = -1;
-        }
-        mbar_wait(stage_empty, parity);
-        const bool pe = g == kGroupPe;
-        const int c = pe ? (wt & 7) : (wt & 31);
-        const int key_sub = pe ? (wt >> 3) : (wt >> 5);
-        const int step = pe ? 16 : 4, count = pe ? 4 : 16;
-        const int first = group_first_box(g);
-        const uint32_t box = smem_u32(stage) + uint32_t((first + (c >> 3)) * kBoxBytes);
-        const int col = (c & 7) * 8, src_offset = first * 128 + c * 16;
-#pragma unroll 4
-        for (int j = 0; j < count; ++j) {
-          const int key = key_sub + step * j;
-          const int64_t slot = cache_slot(p, item.request, key0 + key, r.kv_end);
-          cp_async_16(box + swizzled_offset(key, col), cache + (slot >= 0 ? slot * (kHeadDim * 2) + src_offset : 0),
-                      slot >= 0);
-        }
-        cp_async_commit();
-        if (pending >= 0) {
-          cp_async_wait<1>();
-          fence_proxy_async();
-          mbar_arrive(&full[pending]);
-        }
-        pending = st * kGroups + g;
-      }
-      // After the tile's groups (the tile before's last one was signalled after this one's first),
-      // so that the prefetch's table load is off that path.
-      if (prefetch && wt < kBlockN) prefetch_keys_l2(p, item.request, key0 + 2 * kBlockN + wt, 1, r.kv_end);
-      phases ^= 1u << st;
-    }
-    // The item's last group signalled before the next item's dependent loads (fetch_item).
-    if (pending >= 0) {
-      cp_async_wait<0>();
-      fence_proxy_async();
-      mbar_arrive(&full[pending]);
-      pending = -1;
     }
   }
 }
@@ -1356,15 +1275,12 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     MLA_DECODE_STAMP(kTraceEntry);
   }
 #endif
-  // Pages below kHopperRowLoaderPages (an experiment build; 16-bit caches): the row loader.
-  const bool row_loader = !kFp8 && kHopperRowLoaderPages > 0 && (1 << p.page_shift) < kHopperRowLoaderPages;
   if (threadIdx.x == 0) {
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
     uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
     uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
     for (int b = 0; b < kStages * kGroups; ++b) {
-      // The converter's or the row loader's every thread, or the TMA bytes.
-      mbar_init(&full[b], kFp8 || row_loader ? 128 : 1);
+      mbar_init(&full[b], kFp8 ? 128 : 1);  // the converter's every thread, or the TMA bytes
       // One arrival per warp of the releasing warpgroup; the narrow consumers' every thread
       // arrives (no lane test between their wgmma waits: ptxas would serialise them).
       mbar_init(&empty[b], kNarrow ? 128 : 4);
@@ -1401,11 +1317,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       if (threadIdx.x == 0) {
         cta_work(p, hp.block_m, &begin, &end, &lane);
         run_raw_producer(hp, smem, begin, end, lane);
-      }
-    } else if (row_loader) {
-      if constexpr (kHopperRowLoaderPages > 0) {
-        if constexpr (kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);
-        run_row_loader<kNarrow>(hp, smem, begin, end, lane);
       }
     } else if (threadIdx.x == 0 || threadIdx.x == 32) {
       if constexpr (kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer

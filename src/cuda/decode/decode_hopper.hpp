@@ -23,16 +23,6 @@ inline constexpr bool kHopperFp8WideTiles = true;
 inline constexpr bool kHopperFp8WideTiles = false;
 #endif
 
-// Pages below this many tokens load with cp.async from the producer warpgroup instead of TMA (a
-// box a page): an experiment, MLA_DECODE_ROW_LOADER=N in MLA_DECODE_KNOBS (N = 16 lets pages of
-// 1-8 take the Hopper kernel, which elsewhere refuses pages below 16; 32 or 64 also moves pages of
-// 16 or 32 off TMA); 0, the default: off.
-#if defined(MLA_DECODE_ROW_LOADER)
-inline constexpr int kHopperRowLoaderPages = MLA_DECODE_ROW_LOADER;
-#else
-inline constexpr int kHopperRowLoaderPages = 0;
-#endif
-
 template <typename T>
 void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int grid, cudaStream_t stream);
 
