@@ -185,6 +185,9 @@ DECODE_CASES = [
     # From a batch of 4, an fp8 cache at 16 rows or fewer takes the Hopper kernel on sm_90.
     (16, 64, [300, 5, 64, 129, 1, 700], None, FP8),
     (8, 32, [65, 0, 200, 33, 1], [2, 1, 2, 0, 1], FP8),
+    # More than 16 rows: the Hopper kernel's 64-row tiles, converted by its producer warpgroup.
+    (128, 16, [130, 1, 64], None, FP8),
+    (32, 64, [90, 0, 200], [2, 1, 3], FP8),
 ]
 
 

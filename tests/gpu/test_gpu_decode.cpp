@@ -48,13 +48,6 @@ namespace {
 
 constexpr int kDim = 576;
 constexpr int kVDim = 512;
-// An experiment build of the library (MLA_DECODE_KNOBS) whose Hopper kernel takes an fp8 cache at
-// row tiles of more than 16 rows (src/cuda/decode/decode_hopper.hpp).
-#if defined(MLA_DECODE_FP8_WIDE) && MLA_DECODE_FP8_WIDE
-constexpr bool kFp8WideTiles = true;
-#else
-constexpr bool kFp8WideTiles = false;
-#endif
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 struct Tolerance {
@@ -1294,7 +1287,7 @@ TEST(GpuDecodeHopper, Fp8CacheNarrowTiles) {
     DecodeCase c = hopper_case(heads, page, std::move(lens), q_len);
     c.q_dtype = q;
     c.kv_dtype = DType::kFP8E4M3;
-    c.out_dtype = q == DType::kFP16 ? DType::kFP32 : DType::kBF16;
+    c.out_dtype = heads == 64 ? DType::kFP32 : DType::kBF16;
     c.k_scale = 0.0125f;
     return c;
   };
@@ -1363,19 +1356,18 @@ TEST(GpuDecodeHopper, Fp8CacheNarrowTiles) {
 }
 
 // An fp8 cache on the 64-row consumers (row tiles of 32 and 64 rows), converted from global
-// memory by the producer warpgroup: only in experiment builds with MLA_DECODE_FP8_WIDE.
+// memory by the producer warpgroup.
 TEST(GpuDecodeHopper, Fp8CacheWideTiles) {
   MLA_REQUIRE_HOPPER();
-  if (!kFp8WideTiles) GTEST_SKIP() << "the library was built without MLA_DECODE_FP8_WIDE";
   const std::vector<int> lens = {0, 1, 15, 63, 64, 65, 127, 128, 129, 191, 700, 2049};
   for (const auto& [heads, q_len, page, q] :
        {std::tuple{128, 1, 64, DType::kBF16}, std::tuple{128, 1, 16, DType::kFP8E4M3},
-        std::tuple{64, 2, 32, DType::kFP16}, std::tuple{24, 1, 128, DType::kFP8E4M3},
+        std::tuple{64, 2, 32, DType::kBF16}, std::tuple{24, 1, 128, DType::kFP8E4M3},
         std::tuple{96, 1, 64, DType::kBF16}}) {
     DecodeCase c = hopper_case(heads, page, lens, q_len);
     c.q_dtype = q;
     c.kv_dtype = DType::kFP8E4M3;
-    c.out_dtype = q == DType::kFP16 ? DType::kFP32 : DType::kBF16;
+    c.out_dtype = heads == 64 ? DType::kFP32 : DType::kBF16;
     c.k_scale = 0.0125f;
     c.q_scale = q == DType::kFP8E4M3 ? 0.05f : 1.0f;
     c.seed = uint64_t(27000 + heads * 10 + page + q_len);
@@ -1732,19 +1724,15 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
   const DecodeData fd = make_data(f);
   DeviceData fdev(fd);
   MlaDecodeArgs fa = fdev.args(fd);
-  if (!kFp8WideTiles || !hopper_expected())
+  if (!hopper_expected()) {
     EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"DecodeKernel::kHopper"}));
-  if (hopper_expected()) {
-    if (!kFp8WideTiles)
-      EXPECT_TRUE(throws_error([&] { mla_decode(fa); }, {"kv_cache is fp8e4m3", "row tiles have 64 rows", "at most 16 rows"}));
-    // An fp8 cache, with a 16-bit or an fp8 query: tiles of at most 16 rows (the narrow
-    // consumers) only.
-    for (const auto& [heads, q_len, deterministic, applies, q_dtype] :
-         {std::tuple{16, 1, false, true, DType::kBF16}, std::tuple{8, 2, false, true, DType::kFP16},
-          std::tuple{16, 1, false, true, DType::kFP8E4M3}, std::tuple{16, 2, false, kFp8WideTiles, DType::kBF16},
-          std::tuple{128, 1, false, kFp8WideTiles, DType::kBF16},
-          std::tuple{128, 1, false, kFp8WideTiles, DType::kFP8E4M3},
-          std::tuple{16, 1, true, kFp8WideTiles, DType::kBF16}}) {
+  } else {
+    // An fp8 cache, with a 16-bit or an fp8 query: every row tile, the deterministic mode too.
+    for (const auto& [heads, q_len, deterministic, q_dtype] :
+         {std::tuple{16, 1, false, DType::kBF16}, std::tuple{8, 2, false, DType::kFP16},
+          std::tuple{16, 1, false, DType::kFP8E4M3}, std::tuple{16, 2, false, DType::kBF16},
+          std::tuple{128, 1, false, DType::kBF16}, std::tuple{128, 1, false, DType::kFP8E4M3},
+          std::tuple{16, 1, true, DType::kBF16}}) {
       DecodeCase b = fixed(heads, 64, {5, 9}, q_len);
       b.q_dtype = q_dtype;
       b.kv_dtype = DType::kFP8E4M3;
@@ -1753,22 +1741,31 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
       const DecodeData bd = make_data(b);
       DeviceData bdev(bd);
       const MlaDecodeArgs ba = bdev.args(bd);
-      if (applies) {
-        EXPECT_STREQ(mla_decode_kernel_name(ba), "sm90-wgmma") << heads << " heads, q_len " << q_len;
-        if (q_dtype == DType::kFP8E4M3) {
-          // The same query with a bf16 cache: mla_decode refuses it, and the kernel name too.
-          DecodeCase m16 = b;
-          m16.kv_dtype = DType::kBF16;
-          const DecodeData md = make_data(m16);
-          DeviceData mdev(md);
-          const MlaDecodeArgs ma = mdev.args(md);
-          EXPECT_TRUE(throws_error([&] { mla_decode_kernel_name(ma); },
-                                   {"query is fp8e4m3 and the kv_cache bf16", "needs an fp8 cache"}));
-        }
-      } else {
-        EXPECT_TRUE(throws_error([&] { mla_decode_kernel_name(ba); },
-                                 {"DecodeKernel::kHopper", "kv_cache is fp8e4m3", "at most 16 rows"}))
-            << heads << " heads, q_len " << q_len << (deterministic ? ", deterministic" : "");
+      EXPECT_STREQ(mla_decode_kernel_name(ba), "sm90-wgmma")
+          << heads << " heads, q_len " << q_len << (deterministic ? ", deterministic" : "");
+      if (q_dtype == DType::kBF16 && heads * q_len > 16) {
+        // The same call with an fp16 query: tiles of at most 16 rows only (kAuto: the portable
+        // kernel).
+        DecodeCase h = b;
+        h.q_dtype = DType::kFP16;
+        const DecodeData hd = make_data(h);
+        DeviceData hdev(hd);
+        MlaDecodeArgs ha = hdev.args(hd);
+        EXPECT_TRUE(throws_error([&] { mla_decode_kernel_name(ha); },
+                                 {"DecodeKernel::kHopper", "query is fp16 with an fp8e4m3 kv_cache", "at most 16 rows"}))
+            << heads << " heads, q_len " << q_len;
+        ha.kernel = DecodeKernel::kAuto;
+        EXPECT_STREQ(mla_decode_kernel_name(ha), "sm80-mma");
+      }
+      if (q_dtype == DType::kFP8E4M3) {
+        // The same query with a bf16 cache: mla_decode refuses it, and the kernel name too.
+        DecodeCase m16 = b;
+        m16.kv_dtype = DType::kBF16;
+        const DecodeData md = make_data(m16);
+        DeviceData mdev(md);
+        const MlaDecodeArgs ma = mdev.args(md);
+        EXPECT_TRUE(throws_error([&] { mla_decode_kernel_name(ma); },
+                                 {"query is fp8e4m3 and the kv_cache bf16", "needs an fp8 cache"}));
       }
     }
     // kAuto: the Hopper kernel from 17 query rows a request on; at 16 or fewer, the portable one
@@ -1817,8 +1814,10 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
     EXPECT_EQ(fp8_name_for(3, 16, 1), "sm80-mma");
     EXPECT_EQ(fp8_name_for(1, 8, 2), "sm80-mma");
     EXPECT_EQ(fp8_name_for(64, 8, 2), "sm90-wgmma");
-    // More than 16 rows: the portable kernel, or the Hopper kernel in an experiment build.
-    EXPECT_EQ(fp8_name_for(64, 128, 1), kFp8WideTiles ? "sm90-wgmma" : "sm80-mma");
+    // More than 16 rows: the Hopper kernel from a batch of 1, as for a 16-bit cache.
+    EXPECT_EQ(fp8_name_for(64, 128, 1), "sm90-wgmma");
+    EXPECT_EQ(fp8_name_for(1, 128, 1), "sm90-wgmma");
+    EXPECT_EQ(fp8_name_for(1, 9, 2), "sm90-wgmma");
   }
   MLA_TEST_CUDA(cudaDeviceSynchronize());
 }

@@ -95,15 +95,15 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
   // (mla_decode refuses an fp8 query with a 16-bit cache before; mla_decode_kernel_name does not)
   if (!is16(q.dtype) && is16(kv))
     return "the query is fp8e4m3 and the kv_cache " + std::string(dtype_name(kv)) + " (an fp8 query needs an fp8 cache)";
-  if (!is16(kv)) {
-    // An fp8 cache (and query) on its narrow consumers; on the 64-row ones (no raw stage fits
-    // there: the producer warpgroup converts from global memory) only in experiment builds
-    // (kHopperFp8WideTiles, decode_hopper.hpp).
+  if (q.dtype == DType::kFP16 && !is16(kv)) {
+    // An fp8 cache's 64-row consumers in bf16 only (fp16's consumers need the registers that the
+    // converter takes; decode_hopper.cu).
     const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;
     const int block_m = call_block_m(args, q_main.ndim >= 2 ? q_main.shape[1] : 1);
-    if (block_m > 16 && !kHopperFp8WideTiles)
-      return "the kv_cache is fp8e4m3 and the call's row tiles have " + std::to_string(block_m) +
-             " rows (an fp8 cache takes tiles of at most 16 rows: max_q_len x heads <= 16, not deterministic)";
+    if (block_m > 16)
+      return "the query is fp16 with an fp8e4m3 kv_cache and the call's row tiles have " + std::to_string(block_m) +
+             " rows (with an fp8 cache, an fp16 query takes tiles of at most 16 rows: max_q_len x heads <= 16, "
+             "not deterministic; a bf16 query takes any)";
   }
   const int64_t page_size = args.kv_cache.shape[1];
   if (page_size < 16) return "the page size " + std::to_string(page_size) + " is below 16";
@@ -127,9 +127,9 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 // the longest context an engine serves then picks it from a batch of 16 whatever the lengths
 // (at most +5 %, at short ones).
 //
-// An fp8 cache (at most 16 rows: the only tiles it runs on the Hopper kernel) halves the bytes a
-// tile and the portable kernel's conversion pass costs more there, so the Hopper kernel wins from
-// far fewer tiles: on an H100 (16 heads; docs/perf-notes.md) B 4 kv 16k -17 %, B 8 kv 4k -10 %,
+// An fp8 cache takes the same rule from 17 rows on (H100, 128 heads: B 128 kv 4k -43 %, B 1 kv
+// 16k -25 %). At 16 rows or fewer it halves the bytes a tile and the portable kernel's conversion
+// pass costs more there, so the Hopper kernel wins from far fewer tiles: on an H100 (16 heads; docs/perf-notes.md) B 4 kv 16k -17 %, B 8 kv 4k -10 %,
 // B 16 kv 1k -11 %, B 32 kv 1k -10 %, B 16 and 64 at 7.75 tiles an SM -16 %, but batch 1 +5 to
 // +6 % (kv 4k and 16k: one split request, the combine's share larger): from a batch of 4.
 constexpr int64_t kHopperMinRows = 17;

@@ -14,7 +14,7 @@
 //   WG0  producers: thread 0 loads the even tiles into stage 0 (groups L, R, PE in that order),
 //        thread 32 the odd tiles into stage 1 (R, L, PE): each group as soon as it is released,
 //        and, where the request's rows span several row tiles (so that other CTAs read the same
-//        keys), the stage's next tile is prefetched to L2 right after.
+//        keys), the stage's next tile is prefetched to L2 right after. (An fp8 cache: below.)
 //   WG1  owns O[:, 0:256] and the even tiles' scores; WG2 owns O[:, 256:512] and the odd ones'.
 //        The order within a pair is at run_left: each warpgroup issues the scores of its next
 //        tile before the pair's last waits; the row max goes WG1 -> WG2 (m0), the odd tile's P
@@ -29,13 +29,16 @@
 // consumers instead (run_narrow_consumer): the keys are M, so a 16-row tile costs a quarter of the
 // 64-row tile's tensor work; WG1 runs every tile of the item alone, WG2 idles.
 //
-// An fp8 cache takes the narrow consumers (the 64-row tile's Q and two 16-bit stages leave no
-// room for a raw stage; an experiment build converts for them from global memory instead:
-// kHopperFp8WideTiles, run_converter): thread 0 of WG0 loads every tile of an item, as raw fp8 bytes, into
-// one raw stage inside the Q region (the narrow Q uses 16 of each box's 64 rows); WG2 reads each
-// raw group as it lands, releases it, and converts it into the 16-bit stage t % 2 once the
-// consumer has released that group (the layout TMA writes for a 16-bit cache). WG1 runs as for
-// a 16-bit cache, an fp8 query converted as it loads (run_converter, load_q_fp8).
+// An fp8 cache: the stages hold the converted 16-bit values, in the layout TMA writes for a
+// 16-bit cache, so the consumers run unchanged (run_converter; an fp8 query converted as it
+// loads, load_q_fp8).
+//   Narrow tiles: thread 0 of WG0 loads every tile of an item, as raw fp8 bytes, into one raw
+//   stage inside the Q region (the narrow Q uses 16 of each box's 64 rows); WG2 reads each raw
+//   group as it lands, releases it, and converts it into the 16-bit stage t % 2 once the
+//   consumer has released that group.
+//   64-row tiles (bf16 only: fp16's consumers spill at the 224 registers the converter leaves
+//   them): Q and two 16-bit stages leave no room for a raw stage, so WG0's 128 threads convert
+//   from global memory into the stages.
 //
 // Shared memory (bytes): Q 73,728 | 2 stages x 73,728 | row max / scale / row-sum exchange 2,048 |
 // barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
@@ -61,8 +64,11 @@
 //   v7  an fp8 cache on the narrow consumers (H100: 16 h B 128 kv 16k 906 µs on the portable
 //       kernel -> 552; each raw group released before the wait for its 16-bit stage: 516 µs,
 //       0.78 of copy bandwidth in fp8 bytes).
+//   v8  an fp8 cache on the 64-row consumers, converted by WG0 from global memory (H100: 128 h
+//       B 128 kv 4k 742 µs on the portable kernel -> 422, 0.43 of GEMM; B 1 kv 16k 43.8 -> 32.7).
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
-//   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, an item's first tiles
+//   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, pages below 16 tokens
+//   loaded by WG0 with cp.async (slower than the portable kernel; decode-kernel.md), an item's first tiles
 //   landing before the next ones are prefetched (B 1 -2 %, but the producer's wait needs 8 more
 //   registers, taken from the consumers: kv 16k +1 to +2 %), and the same wait in an idle thread
 //   of the producer warpgroup (H100: 128 h B 1 -3.5 %, B 128 kv 4k +1.6 %, kv 16k +2.4 %).
@@ -351,24 +357,29 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r
 
 // An fp8 query: Q's rows converted to T as they load, in issue_q's layout (the 64-row consumers:
 // 256 threads, 4 a row; the narrow ones: 128 threads, 8 a row, 16 rows; rows past valid_rows
-// zero); every load in flight before the first conversion. The caller's fence and barrier make
+// zero); nine loads in flight before their conversions. The caller's fence and barrier make
 // the stores visible to the tensor cores, as for issue_q's copies.
 template <typename T, int kPerRow>
 __device__ __forceinline__ void load_q_fp8(const DecodeParams& p, const ItemRange& r, uint8_t* sq, int t) {
   constexpr int kSteps = kHeadDim / 8 / kPerRow;  // chunks of 8 values a thread
+  constexpr int kBlock = 9;                       // chunks in flight (one block: the code small)
+  static_assert(kSteps % kBlock == 0);
   const int row = t / kPerRow, c0 = t % kPerRow;
   const bool valid = row < r.valid_rows;
   const QRow<uint8_t> q = q_row<uint8_t>(p, r.g.q_start, r.row0 + (valid ? row : 0));
-  uint2 bytes[kSteps];
+#pragma unroll 1
+  for (int j0 = 0; j0 < kSteps; j0 += kBlock) {
+    uint2 bytes[kBlock];
 #pragma unroll
-  for (int j = 0; j < kSteps; ++j)
-    bytes[j] = valid ? *reinterpret_cast<const uint2*>(q.chunk(c0 + kPerRow * j)) : make_uint2(0, 0);
+    for (int j = 0; j < kBlock; ++j)
+      bytes[j] = valid ? *reinterpret_cast<const uint2*>(q.chunk(c0 + kPerRow * (j0 + j))) : make_uint2(0, 0);
 #pragma unroll
-  for (int j = 0; j < kSteps; ++j) {
-    const int c = c0 + kPerRow * j;
-    const uint4 v = make_uint4(fp8x2_to<T>(bytes[j].x & 0xffff), fp8x2_to<T>(bytes[j].x >> 16),
-                               fp8x2_to<T>(bytes[j].y & 0xffff), fp8x2_to<T>(bytes[j].y >> 16));
-    *reinterpret_cast<uint4*>(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8)) = v;
+    for (int j = 0; j < kBlock; ++j) {
+      const int c = c0 + kPerRow * (j0 + j);
+      const uint4 v = make_uint4(fp8x2_to<T>(bytes[j].x & 0xffff), fp8x2_to<T>(bytes[j].x >> 16),
+                                 fp8x2_to<T>(bytes[j].y & 0xffff), fp8x2_to<T>(bytes[j].y >> 16));
+      *reinterpret_cast<uint4*>(sq + (c >> 3) * kBoxBytes + swizzled_offset(row, (c & 7) * 8)) = v;
+    }
   }
 }
 
@@ -1257,8 +1268,7 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
 
 // kNarrow: the row-tile class (tiles of at most 16 rows, run_narrow_consumer; else 32 or 64 rows,
 // run_consumer), a template parameter like the portable kernel's kRowTiles: the two classes differ
-// in their register split and their consumers' code. kFp8: an fp8 cache (64-row tiles only in
-// experiment builds: kHopperFp8WideTiles).
+// in their register split and their consumers' code. kFp8: an fp8 cache.
 template <typename T, bool kNarrow, bool kFp8>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     mla_decode_hopper_kernel(const __grid_constant__ HopperParams hp) {
@@ -1376,9 +1386,6 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
 
   // An fp8 cache: its bytes in the same boxes, unswizzled (the converter reads them).
   const bool fp8 = params.kv_is_fp8 != 0;
-  MLA_CHECK(!fp8 || block_m <= 16 || kHopperFp8WideTiles,
-            "mla_decode: the Hopper kernel takes an fp8 cache (and query) for row tiles of at most 16 rows, got ",
-            block_m);
   const cuuint64_t dims[2] = {cuuint64_t(kHeadDim), cuuint64_t(params.num_pages) * cuuint64_t(page_size)};
   const cuuint64_t strides[1] = {cuuint64_t(kHeadDim) * (fp8 ? 1 : 2)};
   const cuuint32_t box[2] = {64, cuuint32_t(hp.box_rows)};
@@ -1407,15 +1414,16 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
     opt_in_dynamic_smem<kernel>(SmemLayout::bytes);
     launch_dependent(kernel, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes, stream, hp);
   };
-  if (fp8 && block_m <= 16)
-    launch(std::true_type{}, std::true_type{});
-  else if (fp8) {
-    if constexpr (kHopperFp8WideTiles) launch(std::false_type{}, std::true_type{});  // (checked above)
-  }
-  else if (block_m <= 16)
-    launch(std::true_type{}, std::false_type{});
-  else
+  if (block_m <= 16) {
+    if (fp8) launch(std::true_type{}, std::true_type{});
+    else launch(std::true_type{}, std::false_type{});
+  } else if (fp8) {
+    // (bf16 only: the dispatch keeps fp16 with an fp8 cache to tiles of at most 16 rows)
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) launch(std::false_type{}, std::true_type{});
+    else MLA_CHECK(false, "mla_decode: the Hopper kernel's 64-row tiles take an fp8 cache in bf16 only");
+  } else {
     launch(std::false_type{}, std::false_type{});
+  }
 }
 
 template void launch_hopper_decode_kernel<__nv_bfloat16>(const DecodeParams&, int, int, cudaStream_t);

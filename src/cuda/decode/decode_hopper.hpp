@@ -10,19 +10,9 @@ namespace mla::cuda::decode {
 
 // Runs the same work as launch_decode_kernel (same schedule, slots and combine) with rows tiled by
 // the plan's block_m (16, 32 or 64; the kernel always computes 64-row tiles). Requires a query
-// and a cache of type T, or where block_m is 16 an fp8 e4m3 cache with a query of type T or fp8,
+// and a cache of type T, or an fp8 e4m3 cache with a query of type T (or fp8 where T is bf16),
 // 16-byte aligned query rows, a page size >= 16 and fewer than 2^31 cache rows: the caller
 // (decode_dispatch.cu) checks these.
-// An fp8 cache at tiles of more than 16 rows (the 64-row consumers, converted from global memory
-// by the producer warpgroup): an experiment, taken only in builds with MLA_DECODE_FP8_WIDE=1
-// (MLA_DECODE_KNOBS) until it has been measured on a card; elsewhere those calls run the
-// portable kernel.
-#if defined(MLA_DECODE_FP8_WIDE) && MLA_DECODE_FP8_WIDE
-inline constexpr bool kHopperFp8WideTiles = true;
-#else
-inline constexpr bool kHopperFp8WideTiles = false;
-#endif
-
 template <typename T>
 void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int grid, cudaStream_t stream);
 
