@@ -116,6 +116,7 @@ __host__ __device__ constexpr int group_order(int stage, int i) {
 constexpr int kBarItem = 1;   // item start: Q landed (both consumer warpgroups)
 constexpr int kBarLeft = 2;   // WG1 alone
 constexpr int kBarRight = 3;  // WG2 alone
+constexpr int kBarConvert = 4;  // an fp8 cache's converter for 64-row tiles (warps 2 and 3)
 
 // Exchanges between the consumer warpgroups, once per pair: mbarriers that every thread of the
 // writer arrives at (release) and the reader waits on (acquire), so the writer never waits. A
@@ -139,8 +140,9 @@ struct SmemLayout {
   static constexpr int full = l_sums + 4 * 64 * 4;
   static constexpr int empty = full + kStages * kGroups * 8;
   static constexpr int exchange = empty + kStages * kGroups * 8;
-  static constexpr int raw_full = exchange + kExchanges * 8;  // an fp8 cache's raw stage
-  static constexpr int raw_empty = raw_full + kGroups * 8;
+  // An fp8 cache's raw groups (narrow tiles: the raw stage's 3; 64-row tiles: each stage's 3)
+  static constexpr int raw_full = exchange + kExchanges * 8;
+  static constexpr int raw_empty = raw_full + kStages * kGroups * 8;
   static constexpr int end = raw_empty + kGroups * 8;
   static constexpr int bytes = end + 1024;  // slack to align the base to 1024
 };
@@ -228,22 +230,22 @@ __device__ __forceinline__ int box_row(const HopperParams& hp, int request, int 
   return slot < 0 ? -hp.box_rows : int(slot);
 }
 
-// Group g of the tile's keys [key0, key0 + 64) -> its boxes of the stage (box c at stage + c x
-// kBoxBytes, rows of row_bytes: 128 for a 16-bit cache, 64 for a raw fp8 one), as 64 / box_rows
+// Group g of the tile's keys [key0, key0 + 64) -> its boxes (the group's i-th box at dst + i x
+// box_stride, rows of row_bytes: 128 for a 16-bit cache, 64 for a raw fp8 one), as 64 / box_rows
 // row groups. row0 is the first row group's box_row, looked up by the caller before it waited for the
 // stage: a block-table load on the path from a release to the reload costs ~450 cycles, about a
 // third of the time from the release to the reload's landing. Smaller pages look up their other
 // row groups here.
 __device__ __forceinline__ void issue_group(const HopperParams& hp, int request, int key0, int kv_end,
-                                            int row0, uint8_t* stage, int g, uint64_t* full,
-                                            int row_bytes) {
+                                            int row0, uint8_t* dst, int box_stride, int g,
+                                            uint64_t* full, int row_bytes) {
   const int box_rows = hp.box_rows;
   const int first = group_first_box(g), count = group_boxes(g);
   mbar_arrive_expect_tx(full, uint32_t(count * kBlockN * row_bytes));
   for (int sub = 0; sub < 64; sub += box_rows) {
     const int row = sub == 0 ? row0 : box_row(hp, request, key0 + sub, kv_end);
     for (int c = first; c < first + count; ++c)
-      tma_load_2d(stage + c * kBoxBytes + sub * row_bytes, &hp.kv_map, full, c * 64, row, kEvictNormal);
+      tma_load_2d(dst + (c - first) * box_stride + sub * row_bytes, &hp.kv_map, full, c * 64, row, kEvictNormal);
   }
 }
 
@@ -261,11 +263,28 @@ __device__ __forceinline__ void prefetch_tile_l2(const HopperParams& hp, int req
     prefetch_keys_l2(hp.p, request, key0 + sub, hp.box_rows, kv_end);
 }
 
+// The raw fp8 bytes of an fp8 cache (64 per key: 64 values a box). Narrow tiles: one raw stage,
+// box c (64 keys x 64 bytes) in the second half of Q box c, which the narrow consumers' Q (rows
+// 0-15), P^T and row-max exchange (box 0 and 2 at 2 KB) leave free. 64-row tiles: each group's raw
+// boxes inside the group's own 16-bit boxes, converted in place (run_converter): the L and R
+// groups' four raw boxes (16 KB) in the second half of their 32 KB, the PE group's one in the
+// second half of its box.
+namespace raw {
+constexpr int kOffset = 4096;
+constexpr int kRowBytes = 64;
+constexpr int kRawBox = 64 * kRowBytes;  // a raw box (64 keys)
+__host__ __device__ constexpr int in_group(int g) { return group_boxes(g) * kRawBox; }
+}  // namespace raw
+
 // The producer of one stage: walks the CTA's items and loads the tiles t with t % 2 == stage.
+// kRaw (an fp8 cache, 64-row tiles): each group's raw bytes into the group (raw::in_group), for
+// the converter, whose wait on raw_full replaces the consumers' wait on full.
+template <bool kRaw>
 __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, int begin, int end,
                              int lane_of_cta) {
   const DecodeParams& p = hp.p;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full) + stage * kGroups;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + (kRaw ? SmemLayout::raw_full : SmemLayout::full)) +
+                   stage * kGroups;
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty) + stage * kGroups;
   uint8_t* tile = smem + SmemLayout::k + stage * kTileBytes;
   prefetch_tensor_map(&hp.kv_map);
@@ -281,7 +300,12 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(stage, i);
         mbar_wait(&empty[g], phase ^ 1);
-        issue_group(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g], 128);
+        uint8_t* dst = tile + group_first_box(g) * kBoxBytes;
+        if constexpr (kRaw)
+          issue_group(hp, item.request, key0, r.kv_end, row0, dst + raw::in_group(g), raw::kRawBox, g,
+                      &full[g], raw::kRowBytes);
+        else
+          issue_group(hp, item.request, key0, r.kv_end, row0, dst, kBoxBytes, g, &full[g], 128);
         if (stage == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
@@ -291,13 +315,6 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
     }
   }
 }
-
-// The raw stage of an fp8 cache: box c (64 keys x 64 bytes) in the second half of Q box c, which
-// the narrow consumers' Q (rows 0-15), P^T and row-max exchange (box 0 and 2 at 2 KB) leave free.
-namespace raw {
-constexpr int kOffset = 4096;
-constexpr int kRowBytes = 64;
-}  // namespace raw
 
 // An fp8 cache's producer (thread 0): every tile of the CTA's items into the raw stage, group by
 // group as the converter releases it. No L2 prefetch: with it (the tiles one and two ahead) the
@@ -320,7 +337,8 @@ __device__ void run_raw_producer(const HopperParams& hp, uint8_t* smem, int begi
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(0, i);
         mbar_wait(&empty[g], phase ^ 1);
-        issue_group(hp, item.request, key0, r.kv_end, row0, stage, g, &full[g], raw::kRowBytes);
+        issue_group(hp, item.request, key0, r.kv_end, row0, stage + group_first_box(g) * kBoxBytes, kBoxBytes, g,
+                    &full[g], raw::kRowBytes);
         if (i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
       MLA_DECODE_STAMP_FIRST(kTraceIssued);
@@ -1183,28 +1201,32 @@ __device__ __forceinline__ void store_converted(uint8_t* stage, int c, int key, 
 
 // An fp8 cache: the converter walks the same tiles as the producer and the consumers and fills
 // each 16-bit stage group by group, as TMA would have written a 16-bit cache (boxes of 64 keys x
-// 64 values, 128-byte swizzle), once the consumers have released that group of stage t % 2; the
-// stage's full barrier counts the converter's 128 arrivals (no bytes). Thread wt converts
-// 16-byte chunks wt and wt + 128 of each box (key chunk / 4, values 16 (chunk % 4) ...): the same
-// two keys in every box; a warp reads 8 keys' 64 bytes a box, and its eight lanes of a store
-// phase write two keys' four chunk pairs, 32 distinct banks.
-//   Narrow tiles (kWide false): WG2, from the raw stage. Each raw group, once landed, is read
-//   into registers and goes back to the producer before the wait for the 16-bit stage: the raw
-//   stage is what bounds the bytes in flight. The fence orders these reads before the next TMA
-//   writes (another proxy); without it the TMA overwrote rows not yet read.
-//   64-row tiles (kWide true): the producer warpgroup, from global memory (no raw stage fits
-//   beside Q and two 16-bit stages), with thread 0's L2 prefetch of the tiles one and two ahead;
-//   a group's loads are in flight before the wait for its stage, in the consumers' release order.
+// 64 values, 128-byte swizzle); the stage's full barrier counts the converter's arrivals (no
+// bytes). Thread wt converts 16-byte chunks wt, wt + kThreads, ... of a box (key chunk / 4,
+// values 16 (chunk % 4) ...); a warp reads 8 keys' 64 bytes, and its eight lanes of a store phase
+// write two keys' four chunk pairs, 32 distinct banks.
+//   Narrow tiles (kWide false): WG2 (128 threads), from the raw stage, into the 16-bit stage t % 2
+//   once the consumer has released that group. Each raw group, once landed, is read into
+//   registers and goes back to the producer before the wait for the 16-bit stage: the raw stage
+//   is what bounds the bytes in flight. The fence orders these reads before the next TMA writes
+//   (another proxy); without it the TMA overwrote rows not yet read.
+//   64-row tiles (kWide true): warps 2 and 3 of WG0 (64 threads), in place: the producers
+//   (run_producer<true>) load each group's raw bytes into the group's second half once the
+//   consumers have released it, and the converter goes box by box. The first half's 16-bit
+//   boxes lie below the raw bytes; a box of the second half lies over raw bytes and is written
+//   only after every thread has read them (a named barrier).
 template <typename T, bool kWide>
 __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
   const DecodeParams& p = hp.p;
-  const int wt = int(threadIdx.x) - (kWide ? 0 : 256);
+  constexpr bool kInPlace = kWide && kHopperFp8InPlace;
+  constexpr int kThreads = kInPlace ? 64 : 128;
+  const int wt = int(threadIdx.x) - (kInPlace ? 64 : kWide ? 0 : 256);
+  const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
   uint64_t* raw_full = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full);
   uint64_t* raw_empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty);
-  const uint8_t* raw = smem + SmemLayout::q + raw::kOffset;
-  const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
+  const uint8_t* raw_stage = smem + SmemLayout::q + raw::kOffset;
   uint32_t phases = 0, raw_phase = 0;  // phases bit s: the parity of stage s's barriers
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
@@ -1214,9 +1236,8 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
       const int st = t & 1;
       const int key0 = r.kv_begin + t * kBlockN;
       uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
-      int64_t slot[2] = {0, 0};  // kWide: this thread's two keys' cache slots (-1: zeros)
-      if constexpr (kWide) {
-        if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);  // (the trace's "issued": converted)
+      int64_t slot[2] = {0, 0};  // from global memory: this thread's two keys' cache slots (-1: zeros)
+      if constexpr (kWide && !kInPlace) {
 #pragma unroll
         for (int k = 0; k < 2; ++k) slot[k] = cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end);
         if (wt == 0)
@@ -1227,10 +1248,10 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
 #pragma unroll(kWide ? 1 : kGroups)
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(kWide ? st : 0, i);
-        constexpr int kMaxChunks = 8;  // a group of 4 boxes, two chunks a box
-        uint4 v[kMaxChunks];
-        const int first = group_first_box(g), chunks = 2 * group_boxes(g);
-        if constexpr (kWide) {
+        const int first = group_first_box(g);
+        uint4 v[8];  // narrow: a group's chunks (8 a thread); kWide: a box's (4)
+        if constexpr (kWide && !kInPlace) {
+          const int chunks = 2 * group_boxes(g);
 #pragma unroll
           for (int j = 0; j < chunks; ++j) {
             const int64_t sl = slot[j & 1];
@@ -1238,28 +1259,52 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
                                                                   (wt & 3) * 16))
                            : make_uint4(0, 0, 0, 0);
           }
+          mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
+#pragma unroll
+          for (int j = 0; j < chunks; ++j) {
+            const int chunk = wt + kThreads * (j & 1);
+            store_converted<T>(stage, first + (j >> 1), chunk >> 2, (chunk & 3) * 16, v[j]);
+          }
+        } else if constexpr (kWide) {
+          mbar_wait(&raw_full[st * kGroups + g], (phases >> st) & 1);
+          const int boxes = group_boxes(g);
+          const uint8_t* rawg = stage + first * kBoxBytes + raw::in_group(g);
+#pragma unroll 1
+          for (int b = 0; b < boxes; ++b) {
+            constexpr int kChunks = 64 * 4 / kThreads;  // a box's 16-byte chunks a thread
+#pragma unroll
+            for (int j = 0; j < kChunks; ++j)
+              v[j] = *reinterpret_cast<const uint4*>(rawg + b * raw::kRawBox + (wt + kThreads * j) * 16);
+            // A 16-bit box over raw bytes (the group's second half): written once every thread
+            // has read them (they were read in this box's step or an earlier one).
+            if (2 * (b + 1) > boxes) named_sync(kBarConvert, kThreads);
+#pragma unroll
+            for (int j = 0; j < kChunks; ++j) {
+              const int chunk = wt + kThreads * j;
+              store_converted<T>(stage, first + b, chunk >> 2, (chunk & 3) * 16, v[j]);
+            }
+          }
         } else {
+          const int chunks = 2 * group_boxes(g);
           mbar_wait(&raw_full[g], raw_phase);
 #pragma unroll
           for (int j = 0; j < chunks; ++j) {
-            const int chunk = wt + 128 * (j & 1);
-            v[j] = *reinterpret_cast<const uint4*>(raw + (first + (j >> 1)) * kBoxBytes +
+            const int chunk = wt + kThreads * (j & 1);
+            v[j] = *reinterpret_cast<const uint4*>(raw_stage + (first + (j >> 1)) * kBoxBytes +
                                                    (chunk >> 2) * raw::kRowBytes + (chunk & 3) * 16);
           }
           fence_proxy_async();
           mbar_arrive(&raw_empty[g]);
-        }
-        mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
+          mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
 #pragma unroll
-        for (int j = 0; j < chunks; ++j) {
-          const int chunk = wt + 128 * (j & 1);
-          store_converted<T>(stage, first + (j >> 1), chunk >> 2, (chunk & 3) * 16, v[j]);
+          for (int j = 0; j < chunks; ++j) {
+            const int chunk = wt + kThreads * (j & 1);
+            store_converted<T>(stage, first + (j >> 1), chunk >> 2, (chunk & 3) * 16, v[j]);
+          }
         }
-        fence_proxy_async();  // the stores, before the consumers' wgmma reads them
+        fence_proxy_async();  // the stores (kWide: and the raw reads), before the async proxy
         mbar_arrive(&full[st * kGroups + g]);
-        if (kWide && wt == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
-      if (kWide && wt == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
       if constexpr (!kWide) raw_phase ^= 1;
       phases ^= 1u << st;
     }
@@ -1290,17 +1335,19 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
     uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
     for (int b = 0; b < kStages * kGroups; ++b) {
-      mbar_init(&full[b], kFp8 ? 128 : 1);  // the converter's every thread, or the TMA bytes
+      // The converter's every thread (64-row tiles: 64; narrow: 128), or the TMA bytes.
+      mbar_init(&full[b], kFp8 ? (kNarrow || !kHopperFp8InPlace ? 128 : 64) : 1);
       // One arrival per warp of the releasing warpgroup; the narrow consumers' every thread
       // arrives (no lane test between their wgmma waits: ptxas would serialise them).
       mbar_init(&empty[b], kNarrow ? 128 : 4);
     }
     for (int b = 0; b < kExchanges; ++b) mbar_init(&xbar[b], 128);  // every writer thread
     if constexpr (kFp8) {
-      for (int g = 0; g < kGroups; ++g) {
-        mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full) + g, 1);
-        mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty) + g, 128);
-      }
+      // The raw groups' TMA bytes (narrow: the raw stage's groups, released by WG2's threads).
+      for (int b = 0; b < (kNarrow ? kGroups : kStages * kGroups); ++b)
+        mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full) + b, 1);
+      if constexpr (kNarrow)
+        for (int g = 0; g < kGroups; ++g) mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty) + g, 128);
     }
     mbar_init_fence();
   }
@@ -1322,7 +1369,12 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     // 56 / 224 (the converter holds a group's loads: 32 registers).
     setmaxnreg_dec<kNarrow || kFp8 ? 56 : 40>();
     if constexpr (kFp8 && !kNarrow) {
-      run_converter<T, true>(hp, smem, begin, end, lane);
+      // In place: threads 0 and 32 load the raw groups of stage 0 and 1, warps 2 and 3 convert
+      // them; else every thread converts from global memory.
+      if (!kHopperFp8InPlace || threadIdx.x >= 64)
+        run_converter<T, true>(hp, smem, begin, end, lane);
+      else if (threadIdx.x == 0 || threadIdx.x == 32)
+        run_producer<true>(hp, smem, threadIdx.x >> 5, begin, end, lane);
     } else if constexpr (kFp8) {
       if (threadIdx.x == 0) {
         cta_work(p, hp.block_m, &begin, &end, &lane);
@@ -1330,7 +1382,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       }
     } else if (threadIdx.x == 0 || threadIdx.x == 32) {
       if constexpr (kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer
-      run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
+      run_producer<false>(hp, smem, threadIdx.x >> 5, begin, end, lane);
     }
   } else {
     setmaxnreg_inc<kNarrow || kFp8 ? 224 : 232>();
