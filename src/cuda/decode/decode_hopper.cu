@@ -38,7 +38,8 @@
 //   consumer has released that group.
 //   64-row tiles (bf16 only: fp16's consumers spill at the 224 registers the converter leaves
 //   them): Q and two 16-bit stages leave no room for a raw stage, so WG0's 128 threads convert
-//   from global memory into the stages.
+//   from global memory into the stages (an experiment build converts in place behind TMA
+//   instead: kHopperFp8InPlace, run_converter).
 //
 // Shared memory (bytes): Q 73,728 | 2 stages x 73,728 | row max / scale / row-sum exchange 2,048 |
 // barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
@@ -116,7 +117,7 @@ __host__ __device__ constexpr int group_order(int stage, int i) {
 constexpr int kBarItem = 1;   // item start: Q landed (both consumer warpgroups)
 constexpr int kBarLeft = 2;   // WG1 alone
 constexpr int kBarRight = 3;  // WG2 alone
-constexpr int kBarConvert = 4;  // an fp8 cache's converter for 64-row tiles (warps 2 and 3)
+constexpr int kBarConvert = 4;  // an fp8 cache's in-place converter for 64-row tiles
 
 // Exchanges between the consumer warpgroups, once per pair: mbarriers that every thread of the
 // writer arrives at (release) and the reader waits on (acquire), so the writer never waits. A
@@ -1210,7 +1211,8 @@ __device__ __forceinline__ void store_converted(uint8_t* stage, int c, int key, 
 //   registers and goes back to the producer before the wait for the 16-bit stage: the raw stage
 //   is what bounds the bytes in flight. The fence orders these reads before the next TMA writes
 //   (another proxy); without it the TMA overwrote rows not yet read.
-//   64-row tiles (kWide true): warps 2 and 3 of WG0 (64 threads), in place: the producers
+//   64-row tiles (kWide true), an experiment (kHopperFp8InPlace): the last two or three warps of
+//   WG0 (kThreads), in place: the producers
 //   (run_producer<true>) load each group's raw bytes into the group's second half once the
 //   consumers have released it, and the converter goes box by box. The first half's 16-bit
 //   boxes lie below the raw bytes; a box of the second half lies over raw bytes and is written
@@ -1219,8 +1221,8 @@ template <typename T, bool kWide>
 __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
   const DecodeParams& p = hp.p;
   constexpr bool kInPlace = kWide && kHopperFp8InPlace;
-  constexpr int kThreads = kInPlace ? 64 : 128;
-  const int wt = int(threadIdx.x) - (kInPlace ? 64 : kWide ? 0 : 256);
+  constexpr int kThreads = kInPlace ? 32 * kHopperFp8InPlaceWarps : 128;
+  const int wt = int(threadIdx.x) - (kInPlace ? 128 - kThreads : kWide ? 0 : 256);
   const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
@@ -1238,6 +1240,7 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
       uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
       int64_t slot[2] = {0, 0};  // from global memory: this thread's two keys' cache slots (-1: zeros)
       if constexpr (kWide && !kInPlace) {
+        if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
 #pragma unroll
         for (int k = 0; k < 2; ++k) slot[k] = cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end);
         if (wt == 0)
@@ -1251,6 +1254,7 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
         const int first = group_first_box(g);
         uint4 v[8];  // narrow: a group's chunks (8 a thread); kWide: a box's (4)
         if constexpr (kWide && !kInPlace) {
+          if (wt == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);  // (the trace's "issued": converted)
           const int chunks = 2 * group_boxes(g);
 #pragma unroll
           for (int j = 0; j < chunks; ++j) {
@@ -1271,17 +1275,18 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
           const uint8_t* rawg = stage + first * kBoxBytes + raw::in_group(g);
 #pragma unroll 1
           for (int b = 0; b < boxes; ++b) {
-            constexpr int kChunks = 64 * 4 / kThreads;  // a box's 16-byte chunks a thread
+            constexpr int kChunks = (64 * 4 + kThreads - 1) / kThreads;  // a box's 16-byte chunks a thread
 #pragma unroll
             for (int j = 0; j < kChunks; ++j)
-              v[j] = *reinterpret_cast<const uint4*>(rawg + b * raw::kRawBox + (wt + kThreads * j) * 16);
+              if (wt + kThreads * j < 64 * 4)
+                v[j] = *reinterpret_cast<const uint4*>(rawg + b * raw::kRawBox + (wt + kThreads * j) * 16);
             // A 16-bit box over raw bytes (the group's second half): written once every thread
             // has read them (they were read in this box's step or an earlier one).
             if (2 * (b + 1) > boxes) named_sync(kBarConvert, kThreads);
 #pragma unroll
             for (int j = 0; j < kChunks; ++j) {
               const int chunk = wt + kThreads * j;
-              store_converted<T>(stage, first + b, chunk >> 2, (chunk & 3) * 16, v[j]);
+              if (chunk < 64 * 4) store_converted<T>(stage, first + b, chunk >> 2, (chunk & 3) * 16, v[j]);
             }
           }
         } else {
@@ -1305,6 +1310,7 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
         fence_proxy_async();  // the stores (kWide: and the raw reads), before the async proxy
         mbar_arrive(&full[st * kGroups + g]);
       }
+      if (kWide && !kInPlace && wt == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
       if constexpr (!kWide) raw_phase ^= 1;
       phases ^= 1u << st;
     }
@@ -1336,7 +1342,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
     for (int b = 0; b < kStages * kGroups; ++b) {
       // The converter's every thread (64-row tiles: 64; narrow: 128), or the TMA bytes.
-      mbar_init(&full[b], kFp8 ? (kNarrow || !kHopperFp8InPlace ? 128 : 64) : 1);
+      mbar_init(&full[b], kFp8 ? (kNarrow || !kHopperFp8InPlace ? 128 : 32 * kHopperFp8InPlaceWarps) : 1);
       // One arrival per warp of the releasing warpgroup; the narrow consumers' every thread
       // arrives (no lane test between their wgmma waits: ptxas would serialise them).
       mbar_init(&empty[b], kNarrow ? 128 : 4);
@@ -1369,12 +1375,14 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     // 56 / 224 (the converter holds a group's loads: 32 registers).
     setmaxnreg_dec<kNarrow || kFp8 ? 56 : 40>();
     if constexpr (kFp8 && !kNarrow) {
-      // In place: threads 0 and 32 load the raw groups of stage 0 and 1, warps 2 and 3 convert
-      // them; else every thread converts from global memory.
-      if (!kHopperFp8InPlace || threadIdx.x >= 64)
+      // In place: the last kHopperFp8InPlaceWarps warps convert; two threads of the others load
+      // the raw groups of stage 0 and 1 (threads 0 and 32, or with three converter warps 0 and
+      // 1). Else every thread converts from global memory.
+      constexpr int kLoader1 = kHopperFp8InPlaceWarps == 3 ? 1 : 32;
+      if (!kHopperFp8InPlace || int(threadIdx.x) >= 128 - 32 * kHopperFp8InPlaceWarps)
         run_converter<T, true>(hp, smem, begin, end, lane);
-      else if (threadIdx.x == 0 || threadIdx.x == 32)
-        run_producer<true>(hp, smem, threadIdx.x >> 5, begin, end, lane);
+      else if (threadIdx.x == 0 || threadIdx.x == kLoader1)
+        run_producer<true>(hp, smem, threadIdx.x == 0 ? 0 : 1, begin, end, lane);
     } else if constexpr (kFp8) {
       if (threadIdx.x == 0) {
         cta_work(p, hp.block_m, &begin, &end, &lane);
