@@ -273,6 +273,31 @@ template <typename Fn>
   return ::testing::AssertionSuccess();
 }
 
+// How a test enqueues an op: on the default stream, on a non-blocking stream, or captured into a
+// CUDA graph and replayed.
+enum class Launch { kDefaultStream, kNonBlockingStream, kCudaGraph };
+
+// enqueue(stream) as `launch` says, then a device sync; a fatal GoogleTest failure where it
+// throws or its capture fails (callers wrap it in ASSERT_NO_FATAL_FAILURE).
+template <typename Fn>
+void launch_op(Launch launch, Fn&& enqueue) {
+  switch (launch) {
+    case Launch::kDefaultStream:
+      ASSERT_NO_THROW(enqueue(Stream{nullptr}));
+      break;
+    case Launch::kNonBlockingStream: {
+      CudaStream stream;
+      ASSERT_NO_THROW(enqueue(stream.get()));
+      MLA_TEST_CUDA(cudaStreamSynchronize(stream.stream));
+      break;
+    }
+    case Launch::kCudaGraph:
+      ASSERT_TRUE(run_in_cuda_graph(enqueue));
+      break;
+  }
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
+}
+
 // `enqueue(stream)` with a debug mode on (check_metadata: it waits for host copies) is refused
 // inside a CUDA-graph capture, with an error that names check_metadata.
 template <typename Fn>

@@ -20,6 +20,8 @@ using mla::DType;
 using mla::TensorView;
 using mla::test::bitwise_equal;
 using mla::test::CudaStream;
+using mla::test::Launch;
+using mla::test::launch_op;
 using mla::test::DeviceTensor;
 using mla::test::HostTensor;
 
@@ -60,8 +62,6 @@ std::string describe(const AppendCase& c) {
      << c.row_pad << ", bad_locs " << c.bad_locs << ", specials " << c.specials;
   return os.str();
 }
-
-enum class Launch { kDefaultStream, kNonBlockingStream, kCudaGraph };
 
 void run_append_case(const AppendCase& c, Launch launch = Launch::kDefaultStream) {
   SCOPED_TRACE(describe(c));
@@ -151,21 +151,7 @@ void run_append_case(const AppendCase& c, Launch launch = Launch::kDefaultStream
   d_args.k_pe = d_k_pe;
   d_args.loc = d_loc.view();
   d_args.kv_cache = d_cache.view();
-  switch (launch) {
-    case Launch::kDefaultStream:
-      ASSERT_NO_THROW(mla::append_latent_kv(d_args));
-      break;
-    case Launch::kNonBlockingStream: {
-      CudaStream stream;
-      ASSERT_NO_THROW(mla::append_latent_kv(d_args, stream.get()));
-      MLA_TEST_CUDA(cudaStreamSynchronize(stream.stream));
-      break;
-    }
-    case Launch::kCudaGraph:
-      ASSERT_TRUE(mla::test::run_in_cuda_graph([&](mla::Stream s) { mla::append_latent_kv(d_args, s); }));
-      break;
-  }
-  MLA_TEST_CUDA(cudaDeviceSynchronize());
+  ASSERT_NO_FATAL_FAILURE(launch_op(launch, [&](mla::Stream s) { mla::append_latent_kv(d_args, s); }));
   d_cache.download();
 
   // GPU against the CPU implementation, bit for bit over the whole pool.
@@ -418,21 +404,7 @@ void run_table_case(const TableCase& c, Launch launch = Launch::kDefaultStream) 
   d_args.req_pool_indices = d_idx.view();
   d_args.seq_lens = d_len.view();
   d_args.block_table = d_table.view({B, max_blocks}, {table_row, 1});
-  switch (launch) {
-    case Launch::kDefaultStream:
-      ASSERT_NO_THROW(mla::build_block_table(d_args));
-      break;
-    case Launch::kNonBlockingStream: {
-      CudaStream stream;
-      ASSERT_NO_THROW(mla::build_block_table(d_args, stream.get()));
-      MLA_TEST_CUDA(cudaStreamSynchronize(stream.stream));
-      break;
-    }
-    case Launch::kCudaGraph:
-      ASSERT_TRUE(mla::test::run_in_cuda_graph([&](mla::Stream s) { mla::build_block_table(d_args, s); }));
-      break;
-  }
-  MLA_TEST_CUDA(cudaDeviceSynchronize());
+  ASSERT_NO_FATAL_FAILURE(launch_op(launch, [&](mla::Stream s) { mla::build_block_table(d_args, s); }));
   d_table.download();
 
   // Expected table written out here: page ids, then -1; bad rows and entries -1 (never the

@@ -27,7 +27,8 @@ namespace {
 
 using mla::DType;
 using mla::TensorView;
-using mla::test::CudaStream;
+using mla::test::Launch;
+using mla::test::launch_op;
 using mla::test::DeviceTensor;
 using mla::test::HostTensor;
 using mla::test::PlacedTensor;
@@ -54,7 +55,6 @@ Tolerance half_ulp(DType dtype) {
 
 enum class Layout { kContiguous, kStridedAligned, kMisaligned };
 enum class Alias { kNone, kOutIsA, kOutIsB };
-enum class Launch { kDefaultStream, kNonBlockingStream, kCudaGraph };
 
 struct MergeCase {
   DType a_dtype, b_dtype, out_dtype;
@@ -168,21 +168,7 @@ void run_merge_case(const MergeCase& c, Launch launch = Launch::kDefaultStream) 
   d_args.lse_b = lse_b->gpu_view();
   d_args.out = out.gpu_view();
   if (c.with_lse_out) d_args.lse_out = lse_out.gpu_view();
-  switch (launch) {
-    case Launch::kDefaultStream:
-      ASSERT_NO_THROW(mla::merge_states(d_args));
-      break;
-    case Launch::kNonBlockingStream: {
-      CudaStream stream;
-      ASSERT_NO_THROW(mla::merge_states(d_args, stream.get()));
-      MLA_TEST_CUDA(cudaStreamSynchronize(stream.stream));
-      break;
-    }
-    case Launch::kCudaGraph:
-      ASSERT_TRUE(mla::test::run_in_cuda_graph([&](mla::Stream s) { mla::merge_states(d_args, s); }));
-      break;
-  }
-  MLA_TEST_CUDA(cudaDeviceSynchronize());
+  ASSERT_NO_FATAL_FAILURE(launch_op(launch, [&](mla::Stream s) { mla::merge_states(d_args, s); }));
   for (PlacedTensor* p : {out_a.get(), out_b.get(), lse_a.get(), lse_b.get(), out_sep.get(), lse_sep.get()})
     p->device->download();
 

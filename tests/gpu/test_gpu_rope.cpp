@@ -28,7 +28,8 @@ namespace {
 using mla::DType;
 using mla::RopeStyle;
 using mla::TensorView;
-using mla::test::CudaStream;
+using mla::test::Launch;
+using mla::test::launch_op;
 using mla::test::DeviceTensor;
 using mla::test::HostTensor;
 using mla::test::PlacedTensor;
@@ -70,7 +71,6 @@ enum class Layout {
                 // q_out with a padded token stride; all rows 16-byte aligned
   kMisaligned,  // odd row paddings everywhere: rows not 16-byte aligned (element-wise path)
 };
-enum class Launch { kDefaultStream, kNonBlockingStream, kCudaGraph };
 
 struct RopeCase {
   DType input_dtype;
@@ -243,21 +243,7 @@ void run_rope_case(const RopeCase& c, Launch launch = Launch::kDefaultStream) {
   d_args.cos_sin_cache = d_cos_sin.view({max_position, kRope}, {cs_row, 1});
   d_args.positions = d_pos.view();
   d_args.q_out = q_out->gpu_view();
-  switch (launch) {
-    case Launch::kDefaultStream:
-      ASSERT_NO_THROW(mla::rope_quantize(d_args));
-      break;
-    case Launch::kNonBlockingStream: {
-      CudaStream stream;
-      ASSERT_NO_THROW(mla::rope_quantize(d_args, stream.get()));
-      MLA_TEST_CUDA(cudaStreamSynchronize(stream.stream));
-      break;
-    }
-    case Launch::kCudaGraph:
-      ASSERT_TRUE(mla::test::run_in_cuda_graph([&](mla::Stream s) { mla::rope_quantize(d_args, s); }));
-      break;
-  }
-  MLA_TEST_CUDA(cudaDeviceSynchronize());
+  ASSERT_NO_FATAL_FAILURE(launch_op(launch, [&](mla::Stream s) { mla::rope_quantize(d_args, s); }));
   for (PlacedTensor* p : {q_out.get(), k_nope_out.get(), k_pe_out.get()}) p->device->download();
 
   // Checks one output: every element of its buffer. `rope_begin`: first rope column (512 for
