@@ -129,9 +129,10 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 //
 // An fp8 cache takes the same rule from 17 rows on (H100, 128 heads: B 128 kv 4k -43 %, B 1 kv
 // 16k -25 %). At 16 rows or fewer it halves the bytes a tile and the portable kernel's conversion
-// pass costs more there, so the Hopper kernel wins from far fewer tiles: on an H100 (16 heads; docs/perf-notes.md) B 4 kv 16k -17 %, B 8 kv 4k -10 %,
-// B 16 kv 1k -11 %, B 32 kv 1k -10 %, B 16 and 64 at 7.75 tiles an SM -16 %, but batch 1 +5 to
-// +6 % (kv 4k and 16k: one split request, the combine's share larger): from a batch of 4.
+// pass costs more there, so the Hopper kernel wins from far fewer tiles: on an H100 (16 heads;
+// docs/perf-notes.md) B 4 kv 16k -17 %, B 8 kv 4k -10 %, B 16 kv 1k -11 %, B 32 kv 1k -10 %, B 16
+// and 64 at 7.75 tiles an SM -16 %, but batch 1 +5 to +6 % (kv 4k and 16k: one split request, the
+// combine's share larger): from a batch of 4.
 constexpr int64_t kHopperMinRows = 17;
 constexpr int64_t kHopperFewRowsMinBatch = 16;
 constexpr int64_t kHopperFewRowsMinTilesPerSm = 12;
