@@ -374,6 +374,13 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const ItemRange& r
   cp_async_wait<0>();
 }
 
+// Whether the consumers convert an fp8 query as they load it: a kernel for an fp8 cache, in bf16
+// (an fp8 query and cache compute in bf16: dispatch).
+template <typename T, bool kFp8>
+__device__ __forceinline__ bool converts_fp8_query(const DecodeParams& p) {
+  return kFp8 && std::is_same_v<T, __nv_bfloat16> && p.q_is_fp8;
+}
+
 // An fp8 query: Q's rows converted to T as they load, in issue_q's layout (the 64-row consumers:
 // 256 threads, 4 a row; the narrow ones: 128 threads, 8 a row, 16 rows; rows past valid_rows
 // zero); nine loads in flight before their conversions. The caller's fence and barrier make
@@ -898,8 +905,7 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
   uint32_t xb_phase = 0;
   uint32_t phase[2] = {0, 0};
   uint32_t sums_phase = 0;  // parity of the other warpgroup's row-sum exchange (once per item)
-  // (an fp8 query and cache compute in bf16: dispatch)
-  const bool fp8_q = kFp8 && std::is_same_v<T, __nv_bfloat16> && p.q_is_fp8;
+  const bool fp8_q = converts_fp8_query<T, kFp8>(p);
 
   // Each item's Q is issued one pass ahead, as soon as this warpgroup's pairs of the item before
   // are done, so that its load overlaps the row sums and stores. Pass k runs item k's pairs (none
@@ -1017,8 +1023,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     if (r.valid_rows <= 0) continue;
     named_sync(kBarLeft, 128);  // the last item's staged rows are stored
     if (r.num_tiles > 0) {
-      // (an fp8 query and cache compute in bf16: dispatch)
-      if (kFp8 && std::is_same_v<T, __nv_bfloat16> && p.q_is_fp8)
+      if (converts_fp8_query<T, kFp8>(p))
         load_q_fp8<T, 8>(p, r, sq, wt);
       else
         load_q<T, 8>(p, r, sq, wt);
@@ -1217,11 +1222,18 @@ __device__ __forceinline__ void store_converted(uint8_t* stage, int c, int key, 
 //   consumers have released it, and the converter goes box by box. The first half's 16-bit
 //   boxes lie below the raw bytes; a box of the second half lies over raw bytes and is written
 //   only after every thread has read them (a named barrier).
+// The fp8 converter's threads: WG2 (narrow tiles), WG0 (64-row tiles, from global memory), or
+// the last kHopperFp8InPlaceWarps warps of WG0 (in place). Its full barriers count them.
+template <bool kWide>
+__host__ __device__ constexpr int converter_threads() {
+  return kWide && kHopperFp8InPlace ? 32 * kHopperFp8InPlaceWarps : 128;
+}
+
 template <typename T, bool kWide>
 __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
   const DecodeParams& p = hp.p;
   constexpr bool kInPlace = kWide && kHopperFp8InPlace;
-  constexpr int kThreads = kInPlace ? 32 * kHopperFp8InPlaceWarps : 128;
+  constexpr int kThreads = converter_threads<kWide>();
   const int wt = int(threadIdx.x) - (kInPlace ? 128 - kThreads : kWide ? 0 : 256);
   const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
@@ -1253,23 +1265,7 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
         const int g = group_order(kWide ? st : 0, i);
         const int first = group_first_box(g);
         uint4 v[8];  // narrow: a group's chunks (8 a thread); kWide: a box's (4)
-        if constexpr (kWide && !kInPlace) {
-          if (wt == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);  // (the trace's "issued": converted)
-          const int chunks = 2 * group_boxes(g);
-#pragma unroll
-          for (int j = 0; j < chunks; ++j) {
-            const int64_t sl = slot[j & 1];
-            v[j] = sl >= 0 ? __ldg(reinterpret_cast<const uint4*>(cache + sl * kHeadDim + (first + (j >> 1)) * 64 +
-                                                                  (wt & 3) * 16))
-                           : make_uint4(0, 0, 0, 0);
-          }
-          mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
-#pragma unroll
-          for (int j = 0; j < chunks; ++j) {
-            const int chunk = wt + kThreads * (j & 1);
-            store_converted<T>(stage, first + (j >> 1), chunk >> 2, (chunk & 3) * 16, v[j]);
-          }
-        } else if constexpr (kWide) {
+        if constexpr (kInPlace) {
           mbar_wait(&raw_full[st * kGroups + g], (phases >> st) & 1);
           const int boxes = group_boxes(g);
           const uint8_t* rawg = stage + first * kBoxBytes + raw::in_group(g);
@@ -1290,16 +1286,28 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
             }
           }
         } else {
+          // A group's chunks (two a box) into registers, then the wait for the 16-bit stage.
           const int chunks = 2 * group_boxes(g);
-          mbar_wait(&raw_full[g], raw_phase);
+          if constexpr (kWide) {
+            if (wt == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);  // (the trace's "issued": converted)
 #pragma unroll
-          for (int j = 0; j < chunks; ++j) {
-            const int chunk = wt + kThreads * (j & 1);
-            v[j] = *reinterpret_cast<const uint4*>(raw_stage + (first + (j >> 1)) * kBoxBytes +
-                                                   (chunk >> 2) * raw::kRowBytes + (chunk & 3) * 16);
+            for (int j = 0; j < chunks; ++j) {
+              const int64_t sl = slot[j & 1];
+              v[j] = sl >= 0 ? __ldg(reinterpret_cast<const uint4*>(cache + sl * kHeadDim + (first + (j >> 1)) * 64 +
+                                                                    (wt & 3) * 16))
+                             : make_uint4(0, 0, 0, 0);
+            }
+          } else {
+            mbar_wait(&raw_full[g], raw_phase);
+#pragma unroll
+            for (int j = 0; j < chunks; ++j) {
+              const int chunk = wt + kThreads * (j & 1);
+              v[j] = *reinterpret_cast<const uint4*>(raw_stage + (first + (j >> 1)) * kBoxBytes +
+                                                     (chunk >> 2) * raw::kRowBytes + (chunk & 3) * 16);
+            }
+            fence_proxy_async();
+            mbar_arrive(&raw_empty[g]);
           }
-          fence_proxy_async();
-          mbar_arrive(&raw_empty[g]);
           mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
 #pragma unroll
           for (int j = 0; j < chunks; ++j) {
@@ -1341,8 +1349,8 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
     uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
     for (int b = 0; b < kStages * kGroups; ++b) {
-      // The converter's every thread (64-row tiles: 64; narrow: 128), or the TMA bytes.
-      mbar_init(&full[b], kFp8 ? (kNarrow || !kHopperFp8InPlace ? 128 : 32 * kHopperFp8InPlaceWarps) : 1);
+      // The converter's every thread, or the TMA bytes.
+      mbar_init(&full[b], kFp8 ? converter_threads<!kNarrow>() : 1);
       // One arrival per warp of the releasing warpgroup; the narrow consumers' every thread
       // arrives (no lane test between their wgmma waits: ptxas would serialise them).
       mbar_init(&empty[b], kNarrow ? 128 : 4);
@@ -1379,7 +1387,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       // the raw groups of stage 0 and 1 (threads 0 and 32, or with three converter warps 0 and
       // 1). Else every thread converts from global memory.
       constexpr int kLoader1 = kHopperFp8InPlaceWarps == 3 ? 1 : 32;
-      if (!kHopperFp8InPlace || int(threadIdx.x) >= 128 - 32 * kHopperFp8InPlaceWarps)
+      if (int(threadIdx.x) >= 128 - converter_threads<true>())
         run_converter<T, true>(hp, smem, begin, end, lane);
       else if (threadIdx.x == 0 || threadIdx.x == kLoader1)
         run_producer<true>(hp, smem, threadIdx.x == 0 ? 0 : 1, begin, end, lane);
