@@ -77,6 +77,13 @@ int call_block_m(const MlaDecodeArgs& args, int64_t num_heads) {
   return args.deterministic ? cap : block_m_for_rows(max_q_len * num_heads, cap);
 }
 
+// The query's head count, read before mla_decode has checked its shape (1 where it has no second
+// dimension).
+int64_t query_heads(const MlaDecodeArgs& args) {
+  const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;
+  return q_main.ndim >= 2 ? q_main.shape[1] : 1;
+}
+
 // Why the Hopper kernel does not apply to these arguments, or "" when it does.
 std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 #if !defined(MLA_HOPPER_DECODE)
@@ -98,8 +105,7 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
   if (q.dtype == DType::kFP16 && !is16(kv)) {
     // An fp8 cache's 64-row consumers in bf16 only (fp16's consumers need the registers that the
     // converter takes; decode_hopper.cu).
-    const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;
-    const int block_m = call_block_m(args, q_main.ndim >= 2 ? q_main.shape[1] : 1);
+    const int block_m = call_block_m(args, query_heads(args));
     if (block_m > 16)
       return "the query is fp16 with an fp8e4m3 kv_cache and the call's row tiles have " + std::to_string(block_m) +
              " rows (with an fp8 cache, an fp16 query takes tiles of at most 16 rows: max_q_len x heads <= 16, "
@@ -147,9 +153,8 @@ bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
   if (args.kernel == DecodeKernel::kHopper) return true;
   // Deterministic: one kernel whatever the batch size (its 64-row tiles, unsplit).
   if (args.deterministic) return true;
-  const TensorView& q_main = args.q.empty() ? args.q_nope : args.q;
   const int64_t max_q_len = args.cu_q_lens.empty() ? args.q_len : args.max_q_len;
-  if (int64_t(max_q_len) * (q_main.ndim >= 2 ? q_main.shape[1] : 1) >= kHopperMinRows) return true;
+  if (max_q_len * query_heads(args) >= kHopperMinRows) return true;
   const int64_t batch = args.kv_lens.shape[0];
   if (args.kv_cache.dtype == DType::kFP8E4M3) return batch >= kHopperFp8MinBatch;
   const int64_t width_tiles = (args.block_table.shape[1] * args.kv_cache.shape[1] + kBlockN - 1) / kBlockN;
