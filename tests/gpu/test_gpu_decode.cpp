@@ -91,6 +91,10 @@ struct DecodeCase {
   float softmax_scale = 0.0721687836f;  // 1/sqrt(192)
   float q_scale = 1.0f, k_scale = 1.0f;
   float q_range = 2.0f;
+  // A trend in the scores along the keys: dim 575 (rope, not in V) of every query is 1 and that of
+  // key j is key_ramp * j / 64, so each 64-key tile's scores move by key_ramp * softmax_scale *
+  // log2(e) in the exp2 domain (rising or falling). 0: no trend.
+  float key_ramp = 0.0f;
   int extra_pages = 3;         // pages no request uses
   uint64_t seed = 1;
   DecodeKernel kernel = DecodeKernel::kAuto;
@@ -143,6 +147,9 @@ DecodeData make_data(const DecodeCase& c) {
   d.q_logical = HostTensor(c.q_dtype, {d.T, d.H, kDim});
   const float q_div = c.q_dtype == DType::kFP8E4M3 ? c.q_scale : 1.0f;
   for (int64_t i = 0; i < d.q_logical.numel(); ++i) d.q_logical.set(i, c.q_range * unit(rng) / q_div);
+  if (c.key_ramp != 0.0f) {
+    for (int64_t row = 0; row < d.T * d.H; ++row) d.q_logical.set(row * kDim + kDim - 1, 1.0f / q_div);
+  }
   const size_t qe = dtype_size(c.q_dtype);
   auto scatter = [&](HostTensor& buf, int64_t width, int64_t dim0, int64_t& st_t, int64_t& st_h) {
     st_h = width + c.q_pad;
@@ -192,6 +199,7 @@ DecodeData make_data(const DecodeCase& c) {
       const int64_t page = d.block_table.i32(b * d.max_blocks + key / d.S);
       const int64_t row = (page * d.S + key % d.S) * kDim;
       for (int64_t e = 0; e < kDim; ++e) d.cache.set(row + e, unit(rng) / k_div);
+      if (c.key_ramp != 0.0f) d.cache.set(row + kDim - 1, c.key_ramp * float(key) / 64.0f / k_div);
     }
   }
   d.kv_lens = int32_tensor(std::vector<int32_t>(c.kv_lens.begin(), c.kv_lens.end()));
@@ -424,6 +432,7 @@ std::string describe(const DecodeCase& c) {
      << (c.use_cu_q_lens ? ", cu_q_lens" : ", fixed q_len") << " max_q_len " << c.max_q_len()
      << (c.use_schedule ? ", schedule parts " + std::to_string(c.num_parts) : ", no schedule")
      << (c.deterministic ? ", deterministic" : "")
+     << (c.key_ramp != 0.0f ? ", key_ramp " + std::to_string(c.key_ramp) : "")
      << (c.split_keys > 0 ? " split_keys " + std::to_string(c.split_keys) : "")
      << (c.kernel == DecodeKernel::kPortable ? ", portable kernel"
          : c.kernel == DecodeKernel::kHopper ? ", Hopper kernel" : ", kernel auto")
@@ -1217,6 +1226,35 @@ TEST(GpuDecodeHopper, VeryLongRequests) {
   DecodeCase d = hopper_case(128, 64, {32768, 3, 100000 % 4096});
   d.seed = 23001;
   check_case(d);
+}
+
+// Scores with a trend along the keys, so that the rows' running max keeps rising, by less and by
+// more than the kernel's max slack a tile (next_max, MLA_DECODE_MAX_SLACK), or never leaves the
+// first tile's. Random scores settle their max within a few tiles (and, with a slack, at the
+// first), so only a trend takes the later tiles through a new max, its rescale of O and WG1's P0
+// at the pair's final max.
+TEST(GpuDecodeHopper, RisingAndFallingScores) {
+  MLA_REQUIRE_HOPPER();
+  // A tile moves the scores by ramp * 0.0722 * log2(e) = 0.104 ramp in the exp2 domain.
+  for (float ramp : {24.0f, 192.0f, -48.0f}) {  // +2.5, +20, -5 a tile
+    for (int h : {128, 16}) {
+      for (DType dt : {DType::kBF16, DType::kFP16}) {
+        DecodeCase c = hopper_case(h, 64, {1000, 130, 64, 1, 0, 2500});
+        c.key_ramp = ramp;
+        c.q_dtype = c.kv_dtype = c.out_dtype = dt;
+        c.seed = uint64_t(23500 + int(ramp) + h + (dt == DType::kFP16 ? 1 : 0));
+        check_case(c, /*both_modes=*/true);
+      }
+    }
+  }
+  // Two queries a request: the causal limit within the last tile, 128 rows (64 heads) and 16
+  // rows (8 heads), each with a max that climbs by 2.5 a tile.
+  for (int h : {64, 8}) {
+    DecodeCase c = hopper_case(h, 64, {700, 66, 2, 1900}, 2);
+    c.key_ramp = 24.0f;
+    c.seed = uint64_t(23600 + h);
+    check_case(c, /*both_modes=*/true);
+  }
 }
 
 TEST(GpuDecodeHopper, DtypesLayoutsAndOddParts) {

@@ -105,6 +105,15 @@ constexpr int kDimBoxes = kHeadDim / 64;           // 9 boxes per 576-wide tile
 constexpr int kTileBytes = kDimBoxes * kBoxBytes;  // 73,728
 constexpr int kPeBox = 8;                          // box of dims 512..575; P once the scores are done
 constexpr uint64_t kEvictNormal = 0x1000000000000000ull;
+// The row max's slack in exp2 units (next_max): an experiment, MLA_DECODE_MAX_SLACK=N in
+// MLA_DECODE_KNOBS, until measured; 0 keeps every larger max (the scores' exact max).
+#if defined(MLA_DECODE_MAX_SLACK)
+constexpr float kMaxSlack = float(MLA_DECODE_MAX_SLACK);
+static_assert(kMaxSlack >= 0.0f && kMaxSlack <= 12.0f, "MLA_DECODE_MAX_SLACK: P = exp2(s - m) must stay far below "
+              "fp16's largest value (65504 = 2^15.999)");
+#else
+constexpr float kMaxSlack = 0.0f;
+#endif
 
 __host__ __device__ constexpr int group_first_box(int g) { return g * 4; }
 __host__ __device__ constexpr int group_boxes(int g) { return g == kGroupPe ? 1 : 4; }
@@ -554,6 +563,18 @@ __device__ __forceinline__ void exp_scores(const float (&s)[32], float scale, co
   }
 }
 
+// A row's running max (exp2 domain) after a tile whose max is tile_max. With a slack (kMaxSlack
+// > 0), the tile's max replaces the running one only where it exceeds it by more than the slack:
+// most tiles then keep the max, and the warps skip O's rescale (scale_o) and WG1 its P0 at m1.
+// The offset may then lie below the true max by up to the slack, so P = exp2(s - m) <= 2^slack:
+// 256 at a slack of 8, exact in the compute dtype's range, and O / l and the LSE
+// (m + log2 l) are unchanged but for rounding. Masked tiles (tile_max -inf) keep m; the first
+// key seen (m -inf) always sets it.
+__device__ __forceinline__ float next_max(float m, float tile_max) {
+  if constexpr (kMaxSlack > 0.0f) return tile_max > m + kMaxSlack ? tile_max : m;
+  return fmaxf(m, tile_max);
+}
+
 // The factor that moves sums taken at max m_old to max m_new.
 __device__ __forceinline__ float rescale(float m_old, float m_new) {
   return fast_exp2(m_old - max_offset(m_new));
@@ -739,7 +760,7 @@ __device__ __forceinline__ void left_pairs(const HopperParams& hp, const ItemRan
     uint32_t pk[8][2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      m0[j] = fmaxf(m[j], tile_max[j]);
+      m0[j] = next_max(m[j], tile_max[j]);
       c0[j] = rescale(m[j], m0[j]);
     }
     exp_scores<T>(s, p.score_scale_log2, m0, pk, sum);
@@ -848,7 +869,7 @@ __device__ __forceinline__ void right_pairs(const HopperParams& hp, const ItemRa
       float c1[2], sum[2], c01[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        m[j] = fmaxf(m0[j], tile_max[j]);
+        m[j] = next_max(m0[j], tile_max[j]);
         c1[j] = rescale(m0[j], m[j]);
         c01[j] = c0[j] * c1[j];
       }
@@ -1098,7 +1119,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       for (int x = 0; x < 4; ++x) {
         const int rl = narrow::row(x, lane);
         const float mx = fmaxf(fmaxf(max_x[rl], max_x[16 + rl]), fmaxf(max_x[32 + rl], max_x[48 + rl]));
-        const float m_new = fmaxf(m[x], mx * scale);
+        const float m_new = next_max(m[x], mx * scale);
         c[x] = rescale(m[x], m_new);
         m[x] = m_new;
         neg_m[x] = -max_offset(m_new);
