@@ -48,9 +48,10 @@
 // dtype before P V, row sums of the rounded values, natural-log LSE; except that the scale goes
 // into exp2's FMA (exp2(fma(s, scale, -m)), one rounding fewer) and O[:, 256:512] gets the even
 // tile's P rounded at the pair's final max (a difference of at most one rounding of the compute
-// dtype against the row sum). Keys of the last tile past the item's range are masked out of S
-// and their V rows zeroed in shared memory before P V, so NaN in unused cache slots never
-// reaches the output.
+// dtype against the row sum); and, in a build with a max slack (next_max), the offset m may lie
+// below the row's true max by up to the slack. Keys of the last tile past the item's range are
+// masked out of S and their V rows zeroed in shared memory before P V, so NaN in unused cache
+// slots never reaches the output.
 //
 // Version history (H200, eager, L2 flushed, 128 h B 128 kv 4k unless noted; docs/perf-notes.md):
 //   v1  TMA ring + wgmma, WG1 scores and half of P V, WG2 the other half: 397 µs (0.46 of GEMM).
