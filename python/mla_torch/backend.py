@@ -497,9 +497,11 @@ class MlaBackend:
 
     def _plan_absorbed(self, forward_batch: Any, kind: str,
                        block_table: Optional[Tensor] = None,
-                       step_offset: Optional[int] = None) -> DecodeMetadata:
+                       step_offset: Optional[int] = None,
+                       extend_q: Optional[Tuple[Tensor, int]] = None) -> DecodeMetadata:
         """Eager plan of an absorbed batch. Reads no device value on the host: bounds come from
-        the *_cpu attributes when the engine gives them, else from max_context_len."""
+        the *_cpu attributes when the engine gives them, else from max_context_len. extend_q:
+        an EXTEND plan's (cu_q_lens, max_q_len), already made from the same lengths."""
         bs = int(forward_batch.batch_size)
         seq_lens = forward_batch.seq_lens[:bs]
         seq_lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
@@ -508,6 +510,9 @@ class MlaBackend:
         # Keys a request attends = seq_lens + offset.
         if kind == _VERIFY:  # seq_lens excludes the draft tokens
             offset = q_len = max_q_len = self._draft_token_num(getattr(forward_batch, "spec_info", None))
+        elif extend_q is not None:
+            offset, q_len = 0, 0
+            cu_q_lens, max_q_len = extend_q
         elif kind in (_DRAFT_EXTEND, _EXTEND):
             offset, q_len = 0, 0
             cu_q_lens = _cu_lens(_extend_lens(forward_batch, bs))
@@ -554,7 +559,8 @@ class MlaBackend:
                              max(extend_cpu, default=0), has_prefix, use_chunked)
         # The absorbed path serves prefixes when chunking is off, and any engine that calls
         # forward_extend with the absorbed (576-wide) layer.
-        md.absorbed = self._plan_absorbed(forward_batch, _EXTEND)
+        md.absorbed = self._plan_absorbed(forward_batch, _EXTEND,
+                                          extend_q=(md.cu_q_lens, md.max_q_len))
         if use_chunked and getattr(forward_batch, "prefix_chunk_cu_seq_lens", None) is None:
             self._plan_prefix_chunks(forward_batch, prefix_cpu)
         return md
