@@ -1409,7 +1409,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       // the raw groups of stage 0 and 1 (threads 0 and 32, or with three converter warps 0 and
       // 1). Else every thread converts from global memory.
       constexpr int kLoader1 = kHopperFp8InPlaceWarps == 3 ? 1 : 32;
-      if (int(threadIdx.x) >= 128 - converter_threads<true>())
+      if (threadIdx.x >= unsigned(128 - converter_threads<true>()))  // all of WG0 when it is 128
         run_converter<T, true>(hp, smem, begin, end, lane);
       else if (threadIdx.x == 0 || threadIdx.x == kLoader1)
         run_producer<true>(hp, smem, threadIdx.x == 0 ? 0 : 1, begin, end, lane);
