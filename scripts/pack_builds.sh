@@ -21,7 +21,7 @@ shift
 mkdir -p "$DEST"
 DEST="$(cd "$DEST" && pwd -P)"
 cd "$SRC_DIR"
-commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src include tools tests CMakeLists.txt || echo '+changes')"
+commit="$(git rev-parse --short HEAD)$([[ -z "$(git status --porcelain -- src include tools tests CMakeLists.txt)" ]] || echo '+changes')"
 echo "commit $commit" >"$DEST/COMMIT"
 for variant in "$@"; do
   name="${variant%%=*}"

@@ -568,7 +568,7 @@ __device__ __forceinline__ void exp_scores(const float (&s)[32], float scale, co
 // > 0), the tile's max replaces the running one only where it exceeds it by more than the slack:
 // most tiles then keep the max, and the warps skip O's rescale (scale_o) and WG1 its P0 at m1.
 // The offset may then lie below the true max by up to the slack, so P = exp2(s - m) <= 2^slack:
-// 256 at a slack of 8, exact in the compute dtype's range, and O / l and the LSE
+// 256 at a slack of 8, well within the compute dtype's range, and O / l and the LSE
 // (m + log2 l) are unchanged but for rounding. Masked tiles (tile_max -inf) keep m; the first
 // key seen (m -inf) always sets it.
 __device__ __forceinline__ float next_max(float m, float tile_max) {
