@@ -38,8 +38,7 @@
 //   consumer has released that group.
 //   64-row tiles (bf16 only: fp16's consumers spill at the 224 registers the converter leaves
 //   them): Q and two 16-bit stages leave no room for a raw stage, so WG0's 128 threads convert
-//   from global memory into the stages (an experiment build converts in place behind TMA
-//   instead: kHopperFp8InPlace, run_converter).
+//   from global memory into the stages (run_converter).
 //
 // Shared memory (bytes): Q 73,728 | 2 stages x 73,728 | row max / scale / row-sum exchange 2,048 |
 // barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
@@ -127,7 +126,6 @@ __host__ __device__ constexpr int group_order(int stage, int i) {
 constexpr int kBarItem = 1;   // item start: Q landed (both consumer warpgroups)
 constexpr int kBarLeft = 2;   // WG1 alone
 constexpr int kBarRight = 3;  // WG2 alone
-constexpr int kBarConvert = 4;  // an fp8 cache's in-place converter for 64-row tiles
 
 // Exchanges between the consumer warpgroups, once per pair: mbarriers that every thread of the
 // writer arrives at (release) and the reader waits on (acquire), so the writer never waits. A
@@ -151,9 +149,8 @@ struct SmemLayout {
   static constexpr int full = l_sums + 4 * 64 * 4;
   static constexpr int empty = full + kStages * kGroups * 8;
   static constexpr int exchange = empty + kStages * kGroups * 8;
-  // An fp8 cache's raw groups (narrow tiles: the raw stage's 3; 64-row tiles: each stage's 3)
-  static constexpr int raw_full = exchange + kExchanges * 8;
-  static constexpr int raw_empty = raw_full + kStages * kGroups * 8;
+  static constexpr int raw_full = exchange + kExchanges * 8;  // an fp8 cache's raw stage (narrow)
+  static constexpr int raw_empty = raw_full + kGroups * 8;
   static constexpr int end = raw_empty + kGroups * 8;
   static constexpr int bytes = end + 1024;  // slack to align the base to 1024
 };
@@ -274,28 +271,19 @@ __device__ __forceinline__ void prefetch_tile_l2(const HopperParams& hp, int req
     prefetch_keys_l2(hp.p, request, key0 + sub, hp.box_rows, kv_end);
 }
 
-// The raw fp8 bytes of an fp8 cache (64 per key: 64 values a box). Narrow tiles: one raw stage,
+// The raw fp8 bytes of an fp8 cache's narrow tiles (64 per key: 64 values a box): one raw stage,
 // box c (64 keys x 64 bytes) in the second half of Q box c, which the narrow consumers' Q (rows
-// 0-15), P^T and row-max exchange (box 0 and 2 at 2 KB) leave free. 64-row tiles: each group's raw
-// boxes inside the group's own 16-bit boxes, converted in place (run_converter): the L and R
-// groups' four raw boxes (16 KB) in the second half of their 32 KB, the PE group's one in the
-// second half of its box.
+// 0-15), P^T and row-max exchange (box 0 and 2 at 2 KB) leave free.
 namespace raw {
 constexpr int kOffset = 4096;
 constexpr int kRowBytes = 64;
-constexpr int kRawBox = 64 * kRowBytes;  // a raw box (64 keys)
-__host__ __device__ constexpr int in_group(int g) { return group_boxes(g) * kRawBox; }
 }  // namespace raw
 
 // The producer of one stage: walks the CTA's items and loads the tiles t with t % 2 == stage.
-// kRaw (an fp8 cache, 64-row tiles): each group's raw bytes into the group (raw::in_group), for
-// the converter, whose wait on raw_full replaces the consumers' wait on full.
-template <bool kRaw>
 __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, int begin, int end,
                              int lane_of_cta) {
   const DecodeParams& p = hp.p;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + (kRaw ? SmemLayout::raw_full : SmemLayout::full)) +
-                   stage * kGroups;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full) + stage * kGroups;
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty) + stage * kGroups;
   uint8_t* tile = smem + SmemLayout::k + stage * kTileBytes;
   prefetch_tensor_map(&hp.kv_map);
@@ -311,12 +299,8 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(stage, i);
         mbar_wait(&empty[g], phase ^ 1);
-        uint8_t* dst = tile + group_first_box(g) * kBoxBytes;
-        if constexpr (kRaw)
-          issue_group(hp, item.request, key0, r.kv_end, row0, dst + raw::in_group(g), raw::kRawBox, g,
-                      &full[g], raw::kRowBytes);
-        else
-          issue_group(hp, item.request, key0, r.kv_end, row0, dst, kBoxBytes, g, &full[g], 128);
+        issue_group(hp, item.request, key0, r.kv_end, row0, tile + group_first_box(g) * kBoxBytes, kBoxBytes,
+                    g, &full[g], 128);
         if (stage == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
@@ -1238,25 +1222,15 @@ __device__ __forceinline__ void store_converted(uint8_t* stage, int c, int key, 
 //   registers and goes back to the producer before the wait for the 16-bit stage: the raw stage
 //   is what bounds the bytes in flight. The fence orders these reads before the next TMA writes
 //   (another proxy); without it the TMA overwrote rows not yet read.
-//   64-row tiles (kWide true), an experiment (kHopperFp8InPlace): the last two or three warps of
-//   WG0 (kThreads), in place: the producers
-//   (run_producer<true>) load each group's raw bytes into the group's second half once the
-//   consumers have released it, and the converter goes box by box. The first half's 16-bit
-//   boxes lie below the raw bytes; a box of the second half lies over raw bytes and is written
-//   only after every thread has read them (a named barrier).
-// The fp8 converter's threads: WG2 (narrow tiles), WG0 (64-row tiles, from global memory), or
-// the last kHopperFp8InPlaceWarps warps of WG0 (in place). Its full barriers count them.
-template <bool kWide>
-__host__ __device__ constexpr int converter_threads() {
-  return kWide && kHopperFp8InPlace ? 32 * kHopperFp8InPlaceWarps : 128;
-}
+// The fp8 converter's threads, a warpgroup: WG2 (narrow tiles) or WG0 (64-row tiles). The stages'
+// full barriers count them.
+constexpr int kConverterThreads = 128;
 
 template <typename T, bool kWide>
 __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
   const DecodeParams& p = hp.p;
-  constexpr bool kInPlace = kWide && kHopperFp8InPlace;
-  constexpr int kThreads = converter_threads<kWide>();
-  const int wt = int(threadIdx.x) - (kInPlace ? 128 - kThreads : kWide ? 0 : 256);
+  constexpr int kThreads = kConverterThreads;
+  const int wt = int(threadIdx.x) - (kWide ? 0 : 256);
   const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
@@ -1273,7 +1247,7 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
       const int key0 = r.kv_begin + t * kBlockN;
       uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
       int64_t slot[2] = {0, 0};  // from global memory: this thread's two keys' cache slots (-1: zeros)
-      if constexpr (kWide && !kInPlace) {
+      if constexpr (kWide) {
         if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
 #pragma unroll
         for (int k = 0; k < 2; ++k) slot[k] = cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end);
@@ -1286,61 +1260,39 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(kWide ? st : 0, i);
         const int first = group_first_box(g);
-        uint4 v[8];  // narrow: a group's chunks (8 a thread); kWide: a box's (4)
-        if constexpr (kInPlace) {
-          mbar_wait(&raw_full[st * kGroups + g], (phases >> st) & 1);
-          const int boxes = group_boxes(g);
-          const uint8_t* rawg = stage + first * kBoxBytes + raw::in_group(g);
-#pragma unroll 1
-          for (int b = 0; b < boxes; ++b) {
-            constexpr int kChunks = (64 * 4 + kThreads - 1) / kThreads;  // a box's 16-byte chunks a thread
+        uint4 v[8];  // a group's chunks (8 a thread)
+        // A group's chunks (two a box) into registers, then the wait for the 16-bit stage.
+        const int chunks = 2 * group_boxes(g);
+        if constexpr (kWide) {
+          if (wt == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);  // (the trace's "issued": converted)
 #pragma unroll
-            for (int j = 0; j < kChunks; ++j)
-              if (wt + kThreads * j < 64 * 4)
-                v[j] = *reinterpret_cast<const uint4*>(rawg + b * raw::kRawBox + (wt + kThreads * j) * 16);
-            // A 16-bit box over raw bytes (the group's second half): written once every thread
-            // has read them (they were read in this box's step or an earlier one).
-            if (2 * (b + 1) > boxes) named_sync(kBarConvert, kThreads);
-#pragma unroll
-            for (int j = 0; j < kChunks; ++j) {
-              const int chunk = wt + kThreads * j;
-              if (chunk < 64 * 4) store_converted<T>(stage, first + b, chunk >> 2, (chunk & 3) * 16, v[j]);
-            }
+          for (int j = 0; j < chunks; ++j) {
+            const int64_t sl = slot[j & 1];
+            v[j] = sl >= 0 ? __ldg(reinterpret_cast<const uint4*>(cache + sl * kHeadDim + (first + (j >> 1)) * 64 +
+                                                                  (wt & 3) * 16))
+                           : make_uint4(0, 0, 0, 0);
           }
         } else {
-          // A group's chunks (two a box) into registers, then the wait for the 16-bit stage.
-          const int chunks = 2 * group_boxes(g);
-          if constexpr (kWide) {
-            if (wt == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);  // (the trace's "issued": converted)
-#pragma unroll
-            for (int j = 0; j < chunks; ++j) {
-              const int64_t sl = slot[j & 1];
-              v[j] = sl >= 0 ? __ldg(reinterpret_cast<const uint4*>(cache + sl * kHeadDim + (first + (j >> 1)) * 64 +
-                                                                    (wt & 3) * 16))
-                             : make_uint4(0, 0, 0, 0);
-            }
-          } else {
-            mbar_wait(&raw_full[g], raw_phase);
-#pragma unroll
-            for (int j = 0; j < chunks; ++j) {
-              const int chunk = wt + kThreads * (j & 1);
-              v[j] = *reinterpret_cast<const uint4*>(raw_stage + (first + (j >> 1)) * kBoxBytes +
-                                                     (chunk >> 2) * raw::kRowBytes + (chunk & 3) * 16);
-            }
-            fence_proxy_async();
-            mbar_arrive(&raw_empty[g]);
-          }
-          mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
+          mbar_wait(&raw_full[g], raw_phase);
 #pragma unroll
           for (int j = 0; j < chunks; ++j) {
             const int chunk = wt + kThreads * (j & 1);
-            store_converted<T>(stage, first + (j >> 1), chunk >> 2, (chunk & 3) * 16, v[j]);
+            v[j] = *reinterpret_cast<const uint4*>(raw_stage + (first + (j >> 1)) * kBoxBytes +
+                                                   (chunk >> 2) * raw::kRowBytes + (chunk & 3) * 16);
           }
+          fence_proxy_async();
+          mbar_arrive(&raw_empty[g]);
+        }
+        mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
+#pragma unroll
+        for (int j = 0; j < chunks; ++j) {
+          const int chunk = wt + kThreads * (j & 1);
+          store_converted<T>(stage, first + (j >> 1), chunk >> 2, (chunk & 3) * 16, v[j]);
         }
         fence_proxy_async();  // the stores (kWide: and the raw reads), before the async proxy
         mbar_arrive(&full[st * kGroups + g]);
       }
-      if (kWide && !kInPlace && wt == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
+      if (kWide && wt == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
       if constexpr (!kWide) raw_phase ^= 1;
       phases ^= 1u << st;
     }
@@ -1372,7 +1324,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     uint64_t* xbar = reinterpret_cast<uint64_t*>(smem + SmemLayout::exchange);
     for (int b = 0; b < kStages * kGroups; ++b) {
       // The converter's every thread, or the TMA bytes.
-      mbar_init(&full[b], kFp8 ? converter_threads<!kNarrow>() : 1);
+      mbar_init(&full[b], kFp8 ? kConverterThreads : 1);
       // One arrival per warp of the releasing warpgroup; the narrow consumers' every thread
       // arrives (no lane test between their wgmma waits: ptxas would serialise them).
       mbar_init(&empty[b], kNarrow ? 128 : 4);
@@ -1380,10 +1332,12 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     for (int b = 0; b < kExchanges; ++b) mbar_init(&xbar[b], 128);  // every writer thread
     if constexpr (kFp8) {
       // The raw groups' TMA bytes (narrow: the raw stage's groups, released by WG2's threads).
-      for (int b = 0; b < (kNarrow ? kGroups : kStages * kGroups); ++b)
-        mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full) + b, 1);
-      if constexpr (kNarrow)
-        for (int g = 0; g < kGroups; ++g) mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty) + g, 128);
+      if constexpr (kNarrow) {
+        for (int g = 0; g < kGroups; ++g) {
+          mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full) + g, 1);
+          mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty) + g, 128);
+        }
+      }
     }
     mbar_init_fence();
   }
@@ -1405,14 +1359,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     // 56 / 224 (the converter holds a group's loads: 32 registers).
     setmaxnreg_dec<kNarrow || kFp8 ? 56 : 40>();
     if constexpr (kFp8 && !kNarrow) {
-      // In place: the last kHopperFp8InPlaceWarps warps convert; two threads of the others load
-      // the raw groups of stage 0 and 1 (threads 0 and 32, or with three converter warps 0 and
-      // 1). Else every thread converts from global memory.
-      constexpr int kLoader1 = kHopperFp8InPlaceWarps == 3 ? 1 : 32;
-      if (threadIdx.x >= unsigned(128 - converter_threads<true>()))  // all of WG0 when it is 128
-        run_converter<T, true>(hp, smem, begin, end, lane);
-      else if (threadIdx.x == 0 || threadIdx.x == kLoader1)
-        run_producer<true>(hp, smem, threadIdx.x == 0 ? 0 : 1, begin, end, lane);
+      run_converter<T, true>(hp, smem, begin, end, lane);  // every thread, from global memory
     } else if constexpr (kFp8) {
       if (threadIdx.x == 0) {
         cta_work(p, hp.block_m, &begin, &end, &lane);
@@ -1420,7 +1367,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       }
     } else if (threadIdx.x == 0 || threadIdx.x == 32) {
       if constexpr (kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer
-      run_producer<false>(hp, smem, threadIdx.x >> 5, begin, end, lane);
+      run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
     }
   } else {
     setmaxnreg_inc<kNarrow || kFp8 ? 224 : 232>();

@@ -13,16 +13,6 @@ namespace mla::cuda::decode {
 // and a cache of type T, or an fp8 e4m3 cache with a query of type T (or fp8 where T is bf16),
 // 16-byte aligned query rows, a page size >= 16 and fewer than 2^31 cache rows: the caller
 // (decode_dispatch.cu) checks these.
-// An fp8 cache's 64-row tiles: converted in place behind TMA (run_producer<true>) by N warps of
-// the producer warpgroup (2 or 3), an experiment (MLA_DECODE_FP8_INPLACE=N in MLA_DECODE_KNOBS)
-// until measured; else (0) from global memory by all four.
-#if defined(MLA_DECODE_FP8_INPLACE) && MLA_DECODE_FP8_INPLACE
-inline constexpr int kHopperFp8InPlaceWarps = MLA_DECODE_FP8_INPLACE >= 3 ? 3 : 2;
-#else
-inline constexpr int kHopperFp8InPlaceWarps = 0;
-#endif
-inline constexpr bool kHopperFp8InPlace = kHopperFp8InPlaceWarps > 0;
-
 template <typename T>
 void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int grid, cudaStream_t stream);
 
