@@ -1231,10 +1231,9 @@ TEST(GpuDecodeHopper, VeryLongRequests) {
 }
 
 // Scores with a trend along the keys, so that the rows' running max keeps rising, by less and by
-// more than the kernel's max slack a tile (next_max, MLA_DECODE_MAX_SLACK), or never leaves the
-// first tile's. Random scores settle their max within a few tiles (and, with a slack, at the
-// first), so only a trend takes the later tiles through a new max, its rescale of O and WG1's P0
-// at the pair's final max.
+// more than the kernel's max slack (8) a tile (next_max), or never leaves the first tile's.
+// Random scores settle their max at the first tile under the slack, so only a trend takes the
+// later tiles through a new max, its rescale of O and WG1's P0 at the pair's final max.
 TEST(GpuDecodeHopper, RisingAndFallingScores) {
   MLA_REQUIRE_HOPPER();
   // A tile moves the scores by ramp * 0.0722 * log2(e) = 0.104 ramp in the exp2 domain.

@@ -47,8 +47,8 @@
 // dtype before P V, row sums of the rounded values, natural-log LSE; except that the scale goes
 // into exp2's FMA (exp2(fma(s, scale, -m)), one rounding fewer) and O[:, 256:512] gets the even
 // tile's P rounded at the pair's final max (a difference of at most one rounding of the compute
-// dtype against the row sum); and, in a build with a max slack (next_max), the offset m may lie
-// below the row's true max by up to the slack. Keys of the last tile past the item's range are
+// dtype against the row sum); and the offset m may lie below the row's true max by up to the
+// max slack (next_max). Keys of the last tile past the item's range are
 // masked out of S and their V rows zeroed in shared memory before P V, so NaN in unused cache
 // slots never reaches the output.
 //
@@ -67,12 +67,15 @@
 //       0.78 of copy bandwidth in fp8 bytes).
 //   v8  an fp8 cache on the 64-row consumers, converted by WG0 from global memory (H100: 128 h
 //       B 128 kv 4k 742 µs on the portable kernel -> 422, 0.43 of GEMM; B 1 kv 16k 43.8 -> 32.7).
+//   v9  a slack of 8 on the row max (next_max): most tiles skip O's rescale and WG1's P0 at m1
+//       (H100: 128 h B 128 kv 4k 267.9 -> 265.8 µs, 128 h B 64 kv 4k q 2 245.7 -> 230.2).
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
 //   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, pages below 16 tokens
 //   loaded by WG0 with cp.async (slower than the portable kernel; decode-kernel.md), an item's first tiles
 //   landing before the next ones are prefetched (B 1 -2 %, but the producer's wait needs 8 more
 //   registers, taken from the consumers: kv 16k +1 to +2 %), and the same wait in an idle thread
-//   of the producer warpgroup (H100: 128 h B 1 -3.5 %, B 128 kv 4k +1.6 %, kv 16k +2.4 %).
+//   of the producer warpgroup (H100: 128 h B 1 -3.5 %, B 128 kv 4k +1.6 %, kv 16k +2.4 %), and
+//   the 64-row fp8 converter working in place behind TMA on 2 or 3 warps (H100: +30 %, +5 %).
 #include "cuda/decode/decode_hopper.hpp"
 
 #include <cuda.h>
@@ -105,15 +108,16 @@ constexpr int kDimBoxes = kHeadDim / 64;           // 9 boxes per 576-wide tile
 constexpr int kTileBytes = kDimBoxes * kBoxBytes;  // 73,728
 constexpr int kPeBox = 8;                          // box of dims 512..575; P once the scores are done
 constexpr uint64_t kEvictNormal = 0x1000000000000000ull;
-// The row max's slack in exp2 units (next_max): an experiment, MLA_DECODE_MAX_SLACK=N in
-// MLA_DECODE_KNOBS, until measured; 0 keeps every larger max (the scores' exact max).
+// The row max's slack in exp2 units (next_max): 8 (H100, same-call A/B against the exact max:
+// 128 heads q 1 -0.7 to -1.5 %, q 2 -6 %; docs/perf-notes.md). A build with MLA_DECODE_MAX_SLACK=N
+// in MLA_DECODE_KNOBS takes N instead; 0 keeps every larger max (the scores' exact max).
 #if defined(MLA_DECODE_MAX_SLACK)
 constexpr float kMaxSlack = float(MLA_DECODE_MAX_SLACK);
+#else
+constexpr float kMaxSlack = 8.0f;
+#endif
 static_assert(kMaxSlack >= 0.0f && kMaxSlack <= 12.0f, "MLA_DECODE_MAX_SLACK: P = exp2(s - m) must stay far below "
               "fp16's largest value (65504 = 2^15.999)");
-#else
-constexpr float kMaxSlack = 0.0f;
-#endif
 
 __host__ __device__ constexpr int group_first_box(int g) { return g * 4; }
 __host__ __device__ constexpr int group_boxes(int g) { return g == kGroupPe ? 1 : 4; }
