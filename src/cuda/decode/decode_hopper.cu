@@ -242,22 +242,22 @@ __device__ __forceinline__ int box_row(const HopperParams& hp, int request, int 
   return slot < 0 ? -hp.box_rows : int(slot);
 }
 
-// Group g of the tile's keys [key0, key0 + 64) -> its boxes (the group's i-th box at dst + i x
-// box_stride, rows of row_bytes: 128 for a 16-bit cache, 64 for a raw fp8 one), as 64 / box_rows
+// Group g of the tile's keys [key0, key0 + 64) -> its boxes of the stage (box c at stage + c x
+// kBoxBytes, rows of row_bytes: 128 for a 16-bit cache, 64 for a raw fp8 one), as 64 / box_rows
 // row groups. row0 is the first row group's box_row, looked up by the caller before it waited for the
 // stage: a block-table load on the path from a release to the reload costs ~450 cycles, about a
 // third of the time from the release to the reload's landing. Smaller pages look up their other
 // row groups here.
 __device__ __forceinline__ void issue_group(const HopperParams& hp, int request, int key0, int kv_end,
-                                            int row0, uint8_t* dst, int box_stride, int g,
-                                            uint64_t* full, int row_bytes) {
+                                            int row0, uint8_t* stage, int g, uint64_t* full,
+                                            int row_bytes) {
   const int box_rows = hp.box_rows;
   const int first = group_first_box(g), count = group_boxes(g);
   mbar_arrive_expect_tx(full, uint32_t(count * kBlockN * row_bytes));
   for (int sub = 0; sub < 64; sub += box_rows) {
     const int row = sub == 0 ? row0 : box_row(hp, request, key0 + sub, kv_end);
     for (int c = first; c < first + count; ++c)
-      tma_load_2d(dst + (c - first) * box_stride + sub * row_bytes, &hp.kv_map, full, c * 64, row, kEvictNormal);
+      tma_load_2d(stage + c * kBoxBytes + sub * row_bytes, &hp.kv_map, full, c * 64, row, kEvictNormal);
   }
 }
 
@@ -303,8 +303,7 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(stage, i);
         mbar_wait(&empty[g], phase ^ 1);
-        issue_group(hp, item.request, key0, r.kv_end, row0, tile + group_first_box(g) * kBoxBytes, kBoxBytes,
-                    g, &full[g], 128);
+        issue_group(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g], 128);
         if (stage == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
@@ -336,8 +335,7 @@ __device__ void run_raw_producer(const HopperParams& hp, uint8_t* smem, int begi
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(0, i);
         mbar_wait(&empty[g], phase ^ 1);
-        issue_group(hp, item.request, key0, r.kv_end, row0, stage + group_first_box(g) * kBoxBytes, kBoxBytes, g,
-                    &full[g], raw::kRowBytes);
+        issue_group(hp, item.request, key0, r.kv_end, row0, stage, g, &full[g], raw::kRowBytes);
         if (i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
       MLA_DECODE_STAMP_FIRST(kTraceIssued);
@@ -1218,22 +1216,23 @@ __device__ __forceinline__ void store_converted(uint8_t* stage, int c, int key, 
 // An fp8 cache: the converter walks the same tiles as the producer and the consumers and fills
 // each 16-bit stage group by group, as TMA would have written a 16-bit cache (boxes of 64 keys x
 // 64 values, 128-byte swizzle); the stage's full barrier counts the converter's arrivals (no
-// bytes). Thread wt converts 16-byte chunks wt, wt + kThreads, ... of a box (key chunk / 4,
-// values 16 (chunk % 4) ...); a warp reads 8 keys' 64 bytes, and its eight lanes of a store phase
-// write two keys' four chunk pairs, 32 distinct banks.
-//   Narrow tiles (kWide false): WG2 (128 threads), from the raw stage, into the 16-bit stage t % 2
-//   once the consumer has released that group. Each raw group, once landed, is read into
-//   registers and goes back to the producer before the wait for the 16-bit stage: the raw stage
-//   is what bounds the bytes in flight. The fence orders these reads before the next TMA writes
-//   (another proxy); without it the TMA overwrote rows not yet read.
-// The fp8 converter's threads, a warpgroup: WG2 (narrow tiles) or WG0 (64-row tiles). The stages'
-// full barriers count them.
+// bytes). Thread wt converts 16-byte chunks wt and wt + 128 of each box (key chunk / 4, values
+// 16 (chunk % 4) ...): the same two keys in every box; a warp reads 8 keys' 64 bytes a box, and
+// its eight lanes of a store phase write two keys' four chunk pairs, 32 distinct banks.
+//   Narrow tiles (kWide false): WG2, from the raw stage, into the 16-bit stage t % 2 once the
+//   consumer has released that group. Each raw group, once landed, is read into registers and
+//   goes back to the producer before the wait for the 16-bit stage: the raw stage is what bounds
+//   the bytes in flight. The fence orders these reads before the next TMA writes (another
+//   proxy); without it the TMA overwrote rows not yet read.
+//   64-row tiles (kWide true): the producer warpgroup, from global memory (no raw stage fits
+//   beside Q and two 16-bit stages), with thread 0's L2 prefetch of the tiles one and two ahead;
+//   a group's loads are in flight before the wait for its stage, in the consumers' release order.
+// The converter's threads, a warpgroup (WG2 or WG0): the stages' full barriers count them.
 constexpr int kConverterThreads = 128;
 
 template <typename T, bool kWide>
 __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
   const DecodeParams& p = hp.p;
-  constexpr int kThreads = kConverterThreads;
   const int wt = int(threadIdx.x) - (kWide ? 0 : 256);
   const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
@@ -1280,7 +1279,7 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
           mbar_wait(&raw_full[g], raw_phase);
 #pragma unroll
           for (int j = 0; j < chunks; ++j) {
-            const int chunk = wt + kThreads * (j & 1);
+            const int chunk = wt + kConverterThreads * (j & 1);
             v[j] = *reinterpret_cast<const uint4*>(raw_stage + (first + (j >> 1)) * kBoxBytes +
                                                    (chunk >> 2) * raw::kRowBytes + (chunk & 3) * 16);
           }
@@ -1290,10 +1289,10 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
         mbar_wait(&empty[st * kGroups + g], ((phases >> st) & 1) ^ 1);
 #pragma unroll
         for (int j = 0; j < chunks; ++j) {
-          const int chunk = wt + kThreads * (j & 1);
+          const int chunk = wt + kConverterThreads * (j & 1);
           store_converted<T>(stage, first + (j >> 1), chunk >> 2, (chunk & 3) * 16, v[j]);
         }
-        fence_proxy_async();  // the stores (kWide: and the raw reads), before the async proxy
+        fence_proxy_async();  // the stores, before the consumers' wgmma reads them
         mbar_arrive(&full[st * kGroups + g]);
       }
       if (kWide && wt == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
@@ -1334,13 +1333,11 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       mbar_init(&empty[b], kNarrow ? 128 : 4);
     }
     for (int b = 0; b < kExchanges; ++b) mbar_init(&xbar[b], 128);  // every writer thread
-    if constexpr (kFp8) {
-      // The raw groups' TMA bytes (narrow: the raw stage's groups, released by WG2's threads).
-      if constexpr (kNarrow) {
-        for (int g = 0; g < kGroups; ++g) {
-          mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full) + g, 1);
-          mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty) + g, 128);
-        }
+    if constexpr (kFp8 && kNarrow) {
+      // The raw stage's groups: their TMA bytes, and WG2's threads releasing them.
+      for (int g = 0; g < kGroups; ++g) {
+        mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full) + g, 1);
+        mbar_init(reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty) + g, 128);
       }
     }
     mbar_init_fence();
