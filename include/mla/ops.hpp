@@ -134,12 +134,13 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
 //    (check::non_overlapping: a stride of 0 or rows laid over each other is an mla::Error), nor
 //    may out or lse overlap each other or an input (check::disjoint).
 // The GPU decode kernel. kAuto runs the Hopper kernel (wgmma + TMA, warp-specialised) where it
-// applies: an sm_90 device, a build with sm_90a, a bf16 or fp16 query and cache of one dtype, a
-// page size >= 16, a cache of at most 2^31 - 1 token slots (P x S), 16-byte aligned query rows,
-// and either more than 16 query rows a request (max_q_len x heads), or a batch of 16 requests or
-// more whose block table is wide enough for 12 key tiles of 64 an SM (batch x table width in
-// tokens / 64 >= 12 x SMs: with fewer tiles a CTA the portable kernel is faster at 16 rows), or
-// `deterministic`; anything else runs the portable mma.sync kernel (sm_80 and newer). kPortable
+// applies: an sm_90 device, a build with sm_90a, a bf16 or fp16 cache with a query of its dtype
+// or an fp8e4m3 cache with any query, a page size >= 16, a cache of at most 2^31 - 1 token slots
+// (P x S), 16-byte aligned query rows, and either more than 16 query rows a request (max_q_len x
+// heads), or a batch of 16 requests or more whose block table is wide enough for 12 key tiles of
+// 64 an SM (batch x table width in tokens / 64 >= 12 x SMs: with fewer tiles a CTA the portable
+// kernel is faster at 16 rows; an fp8 cache: a batch of 4 or more), or `deterministic`; anything
+// else runs the portable mma.sync kernel (sm_80 and newer). kPortable
 // always runs the portable kernel; kHopper runs the Hopper kernel or throws mla::Error saying
 // which condition fails. Both give the same results up to fp32 rounding
 // order. Ignored on the CPU.

@@ -1402,11 +1402,12 @@ TEST(GpuDecodeHopper, Fp8CacheWideTiles) {
   for (const auto& [heads, q_len, page, q] :
        {std::tuple{128, 1, 64, DType::kBF16}, std::tuple{128, 1, 16, DType::kFP8E4M3},
         std::tuple{64, 2, 32, DType::kBF16}, std::tuple{24, 1, 128, DType::kFP8E4M3},
-        std::tuple{96, 1, 64, DType::kBF16}}) {
+        std::tuple{96, 1, 64, DType::kBF16}, std::tuple{128, 1, 64, DType::kFP16},
+        std::tuple{64, 2, 32, DType::kFP16}, std::tuple{12, 3, 128, DType::kFP16}}) {
     DecodeCase c = hopper_case(heads, page, lens, q_len);
     c.q_dtype = q;
     c.kv_dtype = DType::kFP8E4M3;
-    c.out_dtype = heads == 64 ? DType::kFP32 : DType::kBF16;
+    c.out_dtype = heads == 64 ? DType::kFP32 : q == DType::kFP16 ? DType::kFP16 : DType::kBF16;
     c.k_scale = 0.0125f;
     c.q_scale = q == DType::kFP8E4M3 ? 0.05f : 1.0f;
     c.seed = uint64_t(27000 + heads * 10 + page + q_len);
@@ -1424,6 +1425,9 @@ TEST(GpuDecodeHopper, Fp8CacheWideTiles) {
   m.num_parts = 3;
   m.seed = 27200;
   check_case(m);
+  m.q_dtype = m.out_dtype = DType::kFP16;  // an fp16 query, many items a CTA
+  m.seed = 27201;
+  check_case(m);
   DecodeCase d = hopper_case(128, 64, {1, 700, 0, 65});  // the deterministic mode's 64-row tiles
   d.kv_dtype = DType::kFP8E4M3;
   d.kernel = DecodeKernel::kAuto;
@@ -1434,6 +1438,9 @@ TEST(GpuDecodeHopper, Fp8CacheWideTiles) {
   d.use_schedule = true;  // split at fixed key positions
   d.split_keys = 256;
   d.seed = 27301;
+  check_case(d);
+  d.q_dtype = d.out_dtype = DType::kFP16;
+  d.seed = 27302;
   check_case(d);
 }
 
@@ -1783,18 +1790,15 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
       EXPECT_STREQ(mla_decode_kernel_name(ba), "sm90-wgmma")
           << heads << " heads, q_len " << q_len << (deterministic ? ", deterministic" : "");
       if (q_dtype == DType::kBF16 && heads * q_len > 16) {
-        // The same call with an fp16 query: tiles of at most 16 rows only (kAuto: the portable
-        // kernel).
+        // The same call with an fp16 query: the 64-row tiles take it too, and kAuto picks them.
         DecodeCase h = b;
         h.q_dtype = DType::kFP16;
         const DecodeData hd = make_data(h);
         DeviceData hdev(hd);
         MlaDecodeArgs ha = hdev.args(hd);
-        EXPECT_TRUE(throws_error([&] { mla_decode_kernel_name(ha); },
-                                 {"DecodeKernel::kHopper", "query is fp16 with an fp8e4m3 kv_cache", "at most 16 rows"}))
-            << heads << " heads, q_len " << q_len;
+        EXPECT_STREQ(mla_decode_kernel_name(ha), "sm90-wgmma") << heads << " heads, q_len " << q_len;
         ha.kernel = DecodeKernel::kAuto;
-        EXPECT_STREQ(mla_decode_kernel_name(ha), "sm80-mma");
+        EXPECT_STREQ(mla_decode_kernel_name(ha), "sm90-wgmma") << heads << " heads, q_len " << q_len;
       }
       if (q_dtype == DType::kFP8E4M3) {
         // The same query with a bf16 cache: mla_decode refuses it, and the kernel name too.

@@ -102,15 +102,6 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
   // (mla_decode refuses an fp8 query with a 16-bit cache before; mla_decode_kernel_name does not)
   if (!is16(q.dtype) && is16(kv))
     return "the query is fp8e4m3 and the kv_cache " + std::string(dtype_name(kv)) + " (an fp8 query needs an fp8 cache)";
-  if (q.dtype == DType::kFP16 && !is16(kv)) {
-    // An fp8 cache's 64-row consumers in bf16 only (fp16's consumers need the registers that the
-    // converter takes; decode_hopper.cu).
-    const int block_m = call_block_m(args, query_heads(args));
-    if (block_m > 16)
-      return "the query is fp16 with an fp8e4m3 kv_cache and the call's row tiles have " + std::to_string(block_m) +
-             " rows (with an fp8 cache, an fp16 query takes tiles of at most 16 rows: max_q_len x heads <= 16, "
-             "not deterministic; a bf16 query takes any)";
-  }
   const int64_t page_size = args.kv_cache.shape[1];
   if (page_size < 16) return "the page size " + std::to_string(page_size) + " is below 16";
   const int64_t rows = args.kv_cache.shape[0] * page_size;

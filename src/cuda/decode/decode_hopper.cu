@@ -36,9 +36,8 @@
 //   stage inside the Q region (the narrow Q uses 16 of each box's 64 rows); WG2 reads each raw
 //   group as it lands, releases it, and converts it into the 16-bit stage t % 2 once the
 //   consumer has released that group.
-//   64-row tiles (bf16 only: fp16's consumers spill at the 224 registers the converter leaves
-//   them): Q and two 16-bit stages leave no room for a raw stage, so WG0's 128 threads convert
-//   from global memory into the stages (run_converter).
+//   64-row tiles: Q and two 16-bit stages leave no room for a raw stage, so WG0's 128 threads
+//   convert from global memory into the stages (run_converter).
 //
 // Shared memory (bytes): Q 73,728 | 2 stages x 73,728 | row max / scale / row-sum exchange 2,048 |
 // barriers; all 1024-byte aligned boxes in the 128-byte swizzle (src/cuda/common/hopper.cuh).
@@ -1245,9 +1244,10 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
 #pragma unroll 1
-    for (int t = 0; t < r.num_tiles; ++t) {
+    // (bounded by the keys, not r.num_tiles: one register fewer at 56, where fp16's instance
+    // otherwise spilled the tile count)
+    for (int t = 0, key0 = r.kv_begin; key0 < r.kv_end; ++t, key0 += kBlockN) {
       const int st = t & 1;
-      const int key0 = r.kv_begin + t * kBlockN;
       uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
       int64_t slot[2] = {0, 0};  // from global memory: this thread's two keys' cache slots (-1: zeros)
       if constexpr (kWide) {
@@ -1456,9 +1456,7 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
     if (fp8) launch(std::true_type{}, std::true_type{});
     else launch(std::true_type{}, std::false_type{});
   } else if (fp8) {
-    // (bf16 only: the dispatch keeps fp16 with an fp8 cache to tiles of at most 16 rows)
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) launch(std::false_type{}, std::true_type{});
-    else MLA_CHECK(false, "mla_decode: the Hopper kernel's 64-row tiles take an fp8 cache in bf16 only");
+    launch(std::false_type{}, std::true_type{});
   } else {
     launch(std::false_type{}, std::false_type{});
   }
