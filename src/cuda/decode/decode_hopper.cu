@@ -1245,9 +1245,10 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
     const ItemRange r = item_range(p.layout, item, hp.block_m);
 #pragma unroll 1
     // (bounded by the keys, not r.num_tiles: one register fewer at 56, where fp16's instance
-    // otherwise spilled the tile count)
-    for (int t = 0, key0 = r.kv_begin; key0 < r.kv_end; ++t, key0 += kBlockN) {
-      const int st = t & 1;
+    // otherwise spilled the tile count; unsigned, so that the last step cannot overflow)
+    for (uint32_t t = 0, key = uint32_t(r.kv_begin); key < uint32_t(r.kv_end); ++t, key += kBlockN) {
+      const int key0 = int(key);
+      const int st = int(t & 1);
       uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
       int64_t slot[2] = {0, 0};  // from global memory: this thread's two keys' cache slots (-1: zeros)
       if constexpr (kWide) {
