@@ -1403,7 +1403,8 @@ TEST(GpuDecodeHopper, Fp8CacheWideTiles) {
        {std::tuple{128, 1, 64, DType::kBF16}, std::tuple{128, 1, 16, DType::kFP8E4M3},
         std::tuple{64, 2, 32, DType::kBF16}, std::tuple{24, 1, 128, DType::kFP8E4M3},
         std::tuple{96, 1, 64, DType::kBF16}, std::tuple{128, 1, 64, DType::kFP16},
-        std::tuple{64, 2, 32, DType::kFP16}, std::tuple{12, 3, 128, DType::kFP16}}) {
+        std::tuple{64, 2, 32, DType::kFP16}, std::tuple{12, 3, 128, DType::kFP16},
+        std::tuple{24, 1, 16, DType::kFP16}}) {
     DecodeCase c = hopper_case(heads, page, lens, q_len);
     c.q_dtype = q;
     c.kv_dtype = DType::kFP8E4M3;
@@ -1790,7 +1791,7 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
       const MlaDecodeArgs ba = bdev.args(bd);
       EXPECT_STREQ(mla_decode_kernel_name(ba), "sm90-wgmma")
           << heads << " heads, q_len " << q_len << (deterministic ? ", deterministic" : "");
-      if (q_dtype == DType::kBF16 && heads * q_len > 16) {
+      if (q_dtype == DType::kBF16 && (heads * q_len > 16 || deterministic)) {
         // The same call with an fp16 query: the 64-row tiles take it too (kAuto: the portable
         // kernel, until measured).
         DecodeCase h = b;
