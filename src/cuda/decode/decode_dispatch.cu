@@ -142,11 +142,10 @@ bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
             "mla_decode: kernel = DecodeKernel::kHopper, but ", why);
   if (!why.empty()) return false;
   if (args.kernel == DecodeKernel::kHopper) return true;
-  // An fp16 query with an fp8 cache on 64-row tiles (the deterministic mode's too): kHopper runs
-  // it; kAuto keeps the portable kernel there until its rows are measured against it
-  // (docs/perf-notes.md, thirty-second session).
-  if (args.kernel == DecodeKernel::kAuto && q.dtype == DType::kFP16 && args.kv_cache.dtype == DType::kFP8E4M3 &&
-      call_block_m(args, query_heads(args)) > 16)
+  // kAuto from here on. An fp16 query with an fp8 cache on 64-row tiles (the deterministic
+  // mode's too): the portable kernel until the Hopper kernel's rows are measured against it
+  // (docs/perf-notes.md, thirty-second session; kHopper runs it).
+  if (q.dtype == DType::kFP16 && args.kv_cache.dtype == DType::kFP8E4M3 && call_block_m(args, query_heads(args)) > 16)
     return false;
   // Deterministic: one kernel whatever the batch size (its 64-row tiles, unsplit).
   if (args.deterministic) return true;

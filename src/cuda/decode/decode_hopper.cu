@@ -1243,9 +1243,9 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
-#pragma unroll 1
     // (bounded by the keys, not r.num_tiles: one register fewer at 56, where fp16's instance
     // otherwise spilled the tile count; unsigned, so that the last step cannot overflow)
+#pragma unroll 1
     for (uint32_t t = 0, key = uint32_t(r.kv_begin); key < uint32_t(r.kv_end); ++t, key += kBlockN) {
       const int key0 = int(key);
       const int st = int(t & 1);
