@@ -435,5 +435,57 @@ TEST(DecodeGeometry, ItemGeometryMatchesTheLayout) {
   }
 }
 
+// item_range's key range from any item, a workspace's garbage included: inside [0, visible] of
+// the tile, its tile count what the producer's and the converter's loops (a key stepped by
+// kBlockN up to kv_end) walk, and an item the plan could write left as it is. Host-only.
+TEST(DecodeGeometry, ItemRangeStaysInsideTheTilesVisibleKeys) {
+  using cuda::decode::BatchLayout;
+  using cuda::decode::ItemRange;
+  using cuda::decode::kBlockN;
+  std::mt19937 rng(23);
+  auto pick = [&](int lo, int hi) { return lo + int(uint64_t(rng()) % (uint64_t(hi) - lo + 1)); };
+  const int wild[] = {INT_MIN, INT_MIN + 1, -65, -64, -1, 0, 1, 63, 64, 65, INT_MAX - 64, INT_MAX};
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int kv_len = pick(0, 700);
+    const int q_len = pick(1, 3);
+    BatchLayout layout{};
+    layout.q_len = q_len;
+    layout.max_q_len = q_len;
+    layout.num_tokens = -1;
+    layout.max_kv_len = INT_MAX;
+    layout.batch_size = 1;
+    layout.num_heads = trial % 2 == 0 ? 16 : 128;
+    const int block_m = 16 << (trial % 3);
+    WorkItem item{};
+    item.row_tile = pick(0, (q_len * layout.num_heads - 1) / block_m);
+    item.q_start = 0;
+    item.q_len = q_len;
+    item.kv_len = kv_len;
+    const bool sane = trial % 3 != 0;
+    if (sane) {  // what the plan writes: whole blocks from 0, the end at most kv_len
+      item.kv_begin = kBlockN * pick(0, kv_len / kBlockN);
+      item.kv_end = pick(item.kv_begin, kv_len);
+    } else {
+      item.kv_begin = trial % 2 ? wild[rng() % 12] : pick(-200, 900);
+      item.kv_end = trial % 5 ? wild[rng() % 12] : pick(-200, 900);
+    }
+    const ItemRange r = item_range(layout, item, block_m);
+    ASSERT_GT(r.valid_rows, 0);
+    const int visible = tile_visible_keys(r.g, r.row0 + r.valid_rows, layout.num_heads);
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": item [" << item.kv_begin << ", "
+                                      << item.kv_end << "), visible " << visible);
+    ASSERT_LE(0, r.kv_begin);
+    ASSERT_LE(r.kv_begin, r.kv_end);
+    ASSERT_LE(r.kv_end, visible);
+    int walked = 0;
+    for (uint32_t key = uint32_t(r.kv_begin); key < uint32_t(r.kv_end); key += kBlockN) ++walked;
+    ASSERT_EQ(r.num_tiles, walked);
+    if (sane) {
+      ASSERT_EQ(r.kv_begin, std::min(item.kv_begin, r.kv_end));
+      ASSERT_EQ(r.kv_end, std::min(item.kv_end, visible));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mla::test

@@ -242,8 +242,12 @@ __host__ __device__ inline ItemRange item_range(const BatchLayout& layout, const
     return r;
   }
   const int visible = tile_visible_keys(r.g, r.row0 + r.valid_rows, layout.num_heads);
+  // Clamped to [0, visible] at both ends, so that every role walks the same whole tiles of
+  // real keys even from a workspace that another call has overwritten.
   r.kv_end = item.kv_end < visible ? item.kv_end : visible;
+  if (r.kv_end < 0) r.kv_end = 0;
   r.kv_begin = item.kv_begin < r.kv_end ? item.kv_begin : r.kv_end;
+  if (r.kv_begin < 0) r.kv_begin = 0;
   r.num_tiles = key_blocks(r.kv_end - r.kv_begin);
   return r;
 }
