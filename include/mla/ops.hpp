@@ -139,10 +139,8 @@ void rope_quantize(const RopeQuantizeArgs& args, Stream stream = nullptr);
 // (P x S), 16-byte aligned query rows, and either more than 16 query rows a request (max_q_len x
 // heads), or a batch of 16 requests or more whose block table is wide enough for 12 key tiles of
 // 64 an SM (batch x table width in tokens / 64 >= 12 x SMs: with fewer tiles a CTA the portable
-// kernel is faster at 16 rows; an fp8 cache: a batch of 4 or more), or `deterministic`, but
-// for an fp16 query with an fp8 cache only at 16 query rows a request or fewer and not
-// `deterministic` (kAuto only: kHopper runs it at any row count); anything else runs the
-// portable mma.sync kernel (sm_80 and newer). kPortable
+// kernel is faster at 16 rows; an fp8 cache: a batch of 4 or more), or `deterministic`;
+// anything else runs the portable mma.sync kernel (sm_80 and newer). kPortable
 // always runs the portable kernel; kHopper runs the Hopper kernel or throws mla::Error saying
 // which condition fails. Both give the same results up to fp32 rounding
 // order. Ignored on the CPU.

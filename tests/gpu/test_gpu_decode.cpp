@@ -1792,8 +1792,7 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
       EXPECT_STREQ(mla_decode_kernel_name(ba), "sm90-wgmma")
           << heads << " heads, q_len " << q_len << (deterministic ? ", deterministic" : "");
       if (q_dtype == DType::kBF16 && (heads * q_len > 16 || deterministic)) {
-        // The same call with an fp16 query: the 64-row tiles take it too (kAuto: the portable
-        // kernel, until measured).
+        // The same call with an fp16 query: the 64-row tiles take it too, and kAuto picks them.
         DecodeCase h = b;
         h.q_dtype = DType::kFP16;
         const DecodeData hd = make_data(h);
@@ -1801,7 +1800,7 @@ TEST(GpuDecodeErrors, HopperKernelMustApply) {
         MlaDecodeArgs ha = hdev.args(hd);
         EXPECT_STREQ(mla_decode_kernel_name(ha), "sm90-wgmma") << heads << " heads, q_len " << q_len;
         ha.kernel = DecodeKernel::kAuto;
-        EXPECT_STREQ(mla_decode_kernel_name(ha), "sm80-mma") << heads << " heads, q_len " << q_len;
+        EXPECT_STREQ(mla_decode_kernel_name(ha), "sm90-wgmma") << heads << " heads, q_len " << q_len;
       }
       if (q_dtype == DType::kFP8E4M3) {
         // The same query with a bf16 cache: mla_decode refuses it, and the kernel name too.
