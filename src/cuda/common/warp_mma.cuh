@@ -5,8 +5,6 @@
 //   ldmatrix_x4(_trans) four 8x8 b16 matrices from shared memory into a warp's fragments
 //   cp_async_16       16-byte global -> shared copy (cp.async.cg), optionally zero-filled
 //   prefetch_l2       asks L2 to fetch a byte range ahead of its use, without waiting
-//   prefetch_l1       asks L1 for one line ahead of its use, without waiting
-//   ldg_16            a 16-byte read-only global load, allocating in L1 or not
 //
 // Fragment layouts follow the PTX ISA "Matrix Fragments for mma.m16n8k16" tables: for the
 // accumulator, lane l holds rows (l/4) and (l/4 + 8), columns 2*(l%4) and 2*(l%4)+1.
@@ -90,24 +88,6 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
   for (uint32_t off = 0; off < bytes; off += 128)
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(static_cast<const char*>(ptr) + off));
 #endif
-}
-// Asks L1 for the line that holds ptr (through L2) without waiting for it: a load of that line
-// soon after finds it in L1, or on its way there, instead of paying L2's latency again.
-__device__ __forceinline__ void prefetch_l1(const void* ptr) {
-  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(ptr));
-}
-// 16 bytes of read-only global memory (ptr 16-byte aligned). kAllocate false: a line that misses
-// L1 is not kept there (L1::no_allocate), so that L1 holds only what prefetch_l1 asked for.
-template <bool kAllocate>
-__device__ __forceinline__ uint4 ldg_16(const void* ptr) {
-  if constexpr (kAllocate) {
-    return __ldg(static_cast<const uint4*>(ptr));
-  } else {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
-    return v;
-  }
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -115,16 +115,6 @@ constexpr float kMaxSlack = float(MLA_DECODE_MAX_SLACK);
 #else
 constexpr float kMaxSlack = 8.0f;
 #endif
-// The 64-row tiles' fp8 converter (run_converter, kWide): with MLA_DECODE_FP8_L1_PREFETCH=1 in
-// MLA_DECODE_KNOBS, each group's loads are followed by L1 prefetches of the next group of the
-// tile, so that those loads find their lines in L1 (without registers: a second group in flight
-// while the first is converted); with 2, the group's own loads do not allocate in L1 besides
-// (L1::no_allocate), so that L1 (28 KB beside 228 KB of shared memory) holds only prefetched
-// lines. 0 (the default): neither.
-#if !defined(MLA_DECODE_FP8_L1_PREFETCH)
-#define MLA_DECODE_FP8_L1_PREFETCH 0
-#endif
-static_assert(MLA_DECODE_FP8_L1_PREFETCH >= 0 && MLA_DECODE_FP8_L1_PREFETCH <= 2, "MLA_DECODE_FP8_L1_PREFETCH: 0, 1 or 2");
 static_assert(kMaxSlack >= 0.0f && kMaxSlack <= 12.0f, "MLA_DECODE_MAX_SLACK: P = exp2(s - m) must stay far below "
               "fp16's largest value (65504 = 2^15.999)");
 
@@ -1282,18 +1272,9 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
 #pragma unroll
           for (int j = 0; j < chunks; ++j) {
             const int64_t sl = slot[j & 1];
-            v[j] = sl >= 0 ? ldg_16<MLA_DECODE_FP8_L1_PREFETCH != 2>(cache + sl * kHeadDim + (first + (j >> 1)) * 64 +
-                                                                       (wt & 3) * 16)
+            v[j] = sl >= 0 ? __ldg(reinterpret_cast<const uint4*>(cache + sl * kHeadDim + (first + (j >> 1)) * 64 +
+                                                                  (wt & 3) * 16))
                            : make_uint4(0, 0, 0, 0);
-          }
-          if (MLA_DECODE_FP8_L1_PREFETCH != 0 && i + 1 < kGroups) {
-            const int next = group_first_box(group_order(st, i + 1));
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              const int64_t sl = slot[j & 1];
-              if (sl >= 0 && (j < 2 || i + 1 < kGroups - 1))  // (PE: one box)
-                prefetch_l1(cache + sl * kHeadDim + (next + (j >> 1)) * 64 + (wt & 3) * 16);
-            }
           }
         } else {
           mbar_wait(&raw_full[g], raw_phase);
