@@ -29,6 +29,8 @@
 #   AB_BUILDS, AB_CASES, AB_ROUNDS, AB_DEADLINE_S   an A/B of other mla-bench builds against
 #                          this one (step 4b; scripts/ab_decode.py)
 #   NCU_CASES, NCU_KERNELS, NCU_LAUNCHES, NCU_TIMEOUT_S   ncu of chosen rows (step 4c)
+#   NCU_EXTRA              more ncu options for those rows, e.g. "--section SchedulerStats
+#                          --section MemoryWorkloadAnalysis_Tables --metrics smsp__inst_executed_pipe_lsu.sum"
 #   SANITIZE_TIMEOUT_S, BENCH_TIMEOUT_S, TEST_TIMEOUT_S   per-step time limits in seconds
 #   PACK_OUTPUT=0          leave the logs and JSON as files (default: one device-run.tgz at the end)
 set -euo pipefail
@@ -263,8 +265,8 @@ fi
 # cases separated by ';') profiles the first NCU_LAUNCHES (default 2) launches of the kernels that
 # match NCU_KERNELS (default: the decode kernels and the combine) in each case, GPU clocks as they
 # are, with the sections that say what limits a kernel: speed of light, compute and memory
-# workloads, warp states, launch statistics and occupancy. One log a case (ncu_<k>.log); the summary counts
-# the launches profiled.
+# workloads, warp states, launch statistics and occupancy, and NCU_EXTRA's options besides (more
+# sections or metrics). One log a case (ncu_<k>.log); the summary counts the launches profiled.
 if [[ -n "${NCU_CASES:-}" ]]; then
   NCU="$(find_tool ncu)"
   if [[ -z "$NCU" ]]; then
@@ -281,12 +283,12 @@ if [[ -n "${NCU_CASES:-}" ]]; then
       rc=0
       log="$OUT_DIR/ncu_$k.log"
       echo "== ncu case $k: mla-bench $c"
-      # shellcheck disable=SC2086  # the case is a list of options
+      # shellcheck disable=SC2086  # the case and NCU_EXTRA are lists of options
       timeout "${NCU_TIMEOUT_S:-300}" "$NCU" --clock-control none \
         --kernel-name "regex:${NCU_KERNELS:-mla_decode|decode_combine}" \
         --launch-count "${NCU_LAUNCHES:-2}" --section SpeedOfLight --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats \
-        --section Occupancy "$BENCH" --device cuda --warmup 0 --iters 1 $c >"$log" 2>&1 || rc=$?
+        --section Occupancy ${NCU_EXTRA:-} "$BENCH" --device cuda --warmup 0 --iters 1 $c >"$log" 2>&1 || rc=$?
       grep -E '^  [^ ].*\(|Duration|Compute \(SM\) Throughput|DRAM Throughput|Registers Per' "$log" |
         head -24 || true
       record "ncu $k" "$( ((rc == 0)) && echo PASS || echo FAIL)" $(($(now) - t0)) \
