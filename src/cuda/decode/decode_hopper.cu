@@ -115,6 +115,14 @@ constexpr float kMaxSlack = float(MLA_DECODE_MAX_SLACK);
 #else
 constexpr float kMaxSlack = 8.0f;
 #endif
+// The 64-row tiles' fp8 converter forms each key's row address once a group (its boxes then
+// immediate offsets) with MLA_DECODE_FP8_ROW_POINTERS=1 in MLA_DECODE_KNOBS; by default, once a
+// load (the compiler repeats the 64-bit multiply and add for each of a group's 8 loads).
+#if defined(MLA_DECODE_FP8_ROW_POINTERS) && MLA_DECODE_FP8_ROW_POINTERS
+constexpr bool kFp8RowPointers = true;
+#else
+constexpr bool kFp8RowPointers = false;
+#endif
 static_assert(kMaxSlack >= 0.0f && kMaxSlack <= 12.0f, "MLA_DECODE_MAX_SLACK: P = exp2(s - m) must stay far below "
               "fp16's largest value (65504 = 2^15.999)");
 
@@ -1269,12 +1277,23 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
         const int chunks = 2 * group_boxes(g);
         if constexpr (kWide) {
           if (wt == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);  // (the trace's "issued": converted)
+          if constexpr (kFp8RowPointers) {
+            const uint8_t* row[2];  // this thread's two keys' chunks of the group's first box (slot
+                                    // -1: slot 0's, never read)
 #pragma unroll
-          for (int j = 0; j < chunks; ++j) {
-            const int64_t sl = slot[j & 1];
-            v[j] = sl >= 0 ? __ldg(reinterpret_cast<const uint4*>(cache + sl * kHeadDim + (first + (j >> 1)) * 64 +
-                                                                  (wt & 3) * 16))
-                           : make_uint4(0, 0, 0, 0);
+            for (int k = 0; k < 2; ++k) row[k] = cache + (slot[k] >= 0 ? slot[k] : 0) * kHeadDim + first * 64 + (wt & 3) * 16;
+#pragma unroll
+            for (int j = 0; j < chunks; ++j)
+              v[j] = slot[j & 1] >= 0 ? __ldg(reinterpret_cast<const uint4*>(row[j & 1] + (j >> 1) * 64))
+                                      : make_uint4(0, 0, 0, 0);
+          } else {
+#pragma unroll
+            for (int j = 0; j < chunks; ++j) {
+              const int64_t sl = slot[j & 1];
+              v[j] = sl >= 0 ? __ldg(reinterpret_cast<const uint4*>(cache + sl * kHeadDim + (first + (j >> 1)) * 64 +
+                                                                    (wt & 3) * 16))
+                             : make_uint4(0, 0, 0, 0);
+            }
           }
         } else {
           mbar_wait(&raw_full[g], raw_phase);
