@@ -28,9 +28,28 @@ __device__ __forceinline__ uint32_t fp8x2_to(uint32_t two) {
   }
 }
 
-// 16 fp8 values -> 16 values of T in two 16-byte chunks.
+// 16 fp8 values -> 16 values of T in two 16-byte chunks. With MLA_DECODE_FP8_UNPACK_H1 in
+// MLA_DECODE_KNOBS (sm_89 and newer), each word's upper pair is converted from the word's upper
+// half as it stands (F2FP ... R.H1) rather than after a shift: one instruction fewer a word.
 template <typename T>
 __device__ __forceinline__ void fp8x16_to(const uint4& raw, uint4& lo, uint4& hi) {
+#if defined(MLA_DECODE_FP8_UNPACK_H1) && MLA_DECODE_FP8_UNPACK_H1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const auto four = [](uint32_t w, uint32_t& a, uint32_t& b) {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+        : "=r"(a), "=r"(b)
+        : "r"(w));
+    if constexpr (!std::is_same_v<T, __half>) {
+      const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&a));
+      const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&b));
+      a = pack2<T>(fa.x, fa.y);
+      b = pack2<T>(fb.x, fb.y);
+    }
+  };
+  four(raw.x, lo.x, lo.y);
+  four(raw.y, lo.z, lo.w);
+  four(raw.z, hi.x, hi.y);
+  four(raw.w, hi.z, hi.w);
+#else
   lo.x = fp8x2_to<T>(raw.x & 0xffff);
   lo.y = fp8x2_to<T>(raw.x >> 16);
   lo.z = fp8x2_to<T>(raw.y & 0xffff);
@@ -39,6 +58,7 @@ __device__ __forceinline__ void fp8x16_to(const uint4& raw, uint4& lo, uint4& hi
   hi.y = fp8x2_to<T>(raw.z >> 16);
   hi.z = fp8x2_to<T>(raw.w & 0xffff);
   hi.w = fp8x2_to<T>(raw.w >> 16);
+#endif
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {

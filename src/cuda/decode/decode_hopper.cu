@@ -1258,11 +1258,13 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
       const int key0 = int(key);
       const int st = int(t & 1);
       uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
-      int64_t slot[2] = {0, 0};  // from global memory: this thread's two keys' cache slots (-1: zeros)
+      // from global memory: this thread's two keys' cache slots (-1: zeros; below 2^31, so 32 bits
+      // with row pointers, which widen them once a group)
+      std::conditional_t<kFp8RowPointers, int, int64_t> slot[2] = {0, 0};
       if constexpr (kWide) {
         if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
 #pragma unroll
-        for (int k = 0; k < 2; ++k) slot[k] = cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end);
+        for (int k = 0; k < 2; ++k) slot[k] = std::remove_reference_t<decltype(slot[0])>(cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end));
         if (wt == 0)
           for (int ahead = t == 0 ? 1 : 2; ahead <= 2; ++ahead)
             prefetch_tile_l2(hp, item.request, key0 + ahead * kBlockN, r.kv_end);
@@ -1281,7 +1283,7 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
             const uint8_t* row[2];  // this thread's two keys' chunks of the group's first box (slot
                                     // -1: slot 0's, never read)
 #pragma unroll
-            for (int k = 0; k < 2; ++k) row[k] = cache + (slot[k] >= 0 ? slot[k] : 0) * kHeadDim + first * 64 + (wt & 3) * 16;
+            for (int k = 0; k < 2; ++k) row[k] = cache + int64_t(slot[k] >= 0 ? slot[k] : 0) * kHeadDim + first * 64 + (wt & 3) * 16;
 #pragma unroll
             for (int j = 0; j < chunks; ++j)
               v[j] = slot[j & 1] >= 0 ? __ldg(reinterpret_cast<const uint4*>(row[j & 1] + (j >> 1) * 64))
