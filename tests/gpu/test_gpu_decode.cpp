@@ -1441,7 +1441,7 @@ TEST(GpuDecodeHopper, Fp8CacheWideTiles) {
   d.seed = 27301;
   check_case(d);
   d.q_dtype = d.out_dtype = DType::kFP16;
-  d.kernel = DecodeKernel::kHopper;  // (kAuto: the portable kernel for an fp16 query here)
+  d.kernel = DecodeKernel::kHopper;  // (kAuto picks it too: HopperKernelMustApply)
   d.seed = 27302;
   check_case(d);
 }

@@ -124,12 +124,13 @@ std::string hopper_mismatch(const MlaDecodeArgs& args, const QueryParts& q) {
 // the longest context an engine serves then picks it from a batch of 16 whatever the lengths
 // (at most +5 %, at short ones).
 //
-// An fp8 cache takes the same rule from 17 rows on, with either 16-bit query (H100, 128 heads:
-// B 128 kv 4k -43 % with a bf16 or fp8 query, -48 % with an fp16 one; B 1 kv 16k -25 %). At 16 rows or fewer it halves the bytes a tile and the portable kernel's conversion
-// pass costs more there, so the Hopper kernel wins from far fewer tiles: on an H100 (16 heads;
-// docs/perf-notes.md) B 4 kv 16k -17 %, B 8 kv 4k -10 %, B 16 kv 1k -11 %, B 32 kv 1k -10 %, B 16
-// and 64 at 7.75 tiles an SM -16 %, but batch 1 +5 to +6 % (kv 4k and 16k: one split request, the
-// combine's share larger): from a batch of 4.
+// An fp8 cache takes the same rule from 17 rows on, with any query (H100, 128 heads: B 128 kv
+// 4k -43 % with a bf16 or fp8 query, -48 % with an fp16 one; B 1 kv 16k -25 %). At 16 rows or
+// fewer it halves the bytes a tile and the portable kernel's conversion pass costs more there,
+// so the Hopper kernel wins from far fewer tiles: on an H100 (16 heads; docs/perf-notes.md) B 4
+// kv 16k -17 %, B 8 kv 4k -10 %, B 16 kv 1k -11 %, B 32 kv 1k -10 %, B 16 and 64 at 7.75 tiles
+// an SM -16 %, but batch 1 +5 to +6 % (kv 4k and 16k: one split request, the combine's share
+// larger): from a batch of 4.
 constexpr int64_t kHopperMinRows = 17;
 constexpr int64_t kHopperFewRowsMinBatch = 16;
 constexpr int64_t kHopperFewRowsMinTilesPerSm = 12;
@@ -142,7 +143,7 @@ bool use_hopper(const MlaDecodeArgs& args, const QueryParts& q) {
             "mla_decode: kernel = DecodeKernel::kHopper, but ", why);
   if (!why.empty()) return false;
   if (args.kernel == DecodeKernel::kHopper) return true;
-  // kAuto from here on. Deterministic: one kernel whatever the batch size (its 64-row tiles, unsplit).
+  // kAuto from here on. Deterministic: one kernel whatever the batch size (64-row tiles, unsplit).
   if (args.deterministic) return true;
   const int64_t max_q_len = args.cu_q_lens.empty() ? args.q_len : args.max_q_len;
   if (max_q_len * query_heads(args) >= kHopperMinRows) return true;

@@ -115,6 +115,8 @@ constexpr float kMaxSlack = float(MLA_DECODE_MAX_SLACK);
 #else
 constexpr float kMaxSlack = 8.0f;
 #endif
+static_assert(kMaxSlack >= 0.0f && kMaxSlack <= 12.0f, "MLA_DECODE_MAX_SLACK: P = exp2(s - m) must stay far below "
+              "fp16's largest value (65504 = 2^15.999)");
 // The 64-row tiles' fp8 converter forms each key's row address once a group (its boxes then
 // immediate offsets) with MLA_DECODE_FP8_ROW_POINTERS=1 in MLA_DECODE_KNOBS; by default, once a
 // load (the compiler repeats the 64-bit multiply and add for each of a group's 8 loads).
@@ -123,8 +125,9 @@ constexpr bool kFp8RowPointers = true;
 #else
 constexpr bool kFp8RowPointers = false;
 #endif
-static_assert(kMaxSlack >= 0.0f && kMaxSlack <= 12.0f, "MLA_DECODE_MAX_SLACK: P = exp2(s - m) must stay far below "
-              "fp16's largest value (65504 = 2^15.999)");
+// The converter's cache slots: below 2^31 (the Hopper kernel's limit), so 32 bits where the row
+// pointers widen them once a group.
+using Fp8Slot = std::conditional_t<kFp8RowPointers, int, int64_t>;
 
 __host__ __device__ constexpr int group_first_box(int g) { return g * 4; }
 __host__ __device__ constexpr int group_boxes(int g) { return g == kGroupPe ? 1 : 4; }
@@ -1258,13 +1261,12 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
       const int key0 = int(key);
       const int st = int(t & 1);
       uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
-      // from global memory: this thread's two keys' cache slots (-1: zeros; below 2^31, so 32 bits
-      // with row pointers, which widen them once a group)
-      std::conditional_t<kFp8RowPointers, int, int64_t> slot[2] = {0, 0};
+      Fp8Slot slot[2] = {0, 0};  // from global memory: this thread's two keys' cache slots (-1: zeros)
       if constexpr (kWide) {
         if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
 #pragma unroll
-        for (int k = 0; k < 2; ++k) slot[k] = std::remove_reference_t<decltype(slot[0])>(cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end));
+        for (int k = 0; k < 2; ++k)
+          slot[k] = Fp8Slot(cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end));
         if (wt == 0)
           for (int ahead = t == 0 ? 1 : 2; ahead <= 2; ++ahead)
             prefetch_tile_l2(hp, item.request, key0 + ahead * kBlockN, r.kv_end);
@@ -1283,7 +1285,8 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
             const uint8_t* row[2];  // this thread's two keys' chunks of the group's first box (slot
                                     // -1: slot 0's, never read)
 #pragma unroll
-            for (int k = 0; k < 2; ++k) row[k] = cache + int64_t(slot[k] >= 0 ? slot[k] : 0) * kHeadDim + first * 64 + (wt & 3) * 16;
+            for (int k = 0; k < 2; ++k)
+              row[k] = cache + int64_t(slot[k] >= 0 ? slot[k] : 0) * kHeadDim + first * 64 + (wt & 3) * 16;
 #pragma unroll
             for (int j = 0; j < chunks; ++j)
               v[j] = slot[j & 1] >= 0 ? __ldg(reinterpret_cast<const uint4*>(row[j & 1] + (j >> 1) * 64))
