@@ -117,17 +117,6 @@ constexpr float kMaxSlack = 8.0f;
 #endif
 static_assert(kMaxSlack >= 0.0f && kMaxSlack <= 12.0f, "MLA_DECODE_MAX_SLACK: P = exp2(s - m) must stay far below "
               "fp16's largest value (65504 = 2^15.999)");
-// The 64-row tiles' fp8 converter forms each key's row address once a group (its boxes then
-// immediate offsets) with MLA_DECODE_FP8_ROW_POINTERS=1 in MLA_DECODE_KNOBS; by default, once a
-// load (the compiler repeats the 64-bit multiply and add for each of a group's 8 loads).
-#if defined(MLA_DECODE_FP8_ROW_POINTERS) && MLA_DECODE_FP8_ROW_POINTERS
-constexpr bool kFp8RowPointers = true;
-#else
-constexpr bool kFp8RowPointers = false;
-#endif
-// The converter's cache slots: below 2^31 (the Hopper kernel's limit), so 32 bits where the row
-// pointers widen them once a group.
-using Fp8Slot = std::conditional_t<kFp8RowPointers, int, int64_t>;
 
 __host__ __device__ constexpr int group_first_box(int g) { return g * 4; }
 __host__ __device__ constexpr int group_boxes(int g) { return g == kGroupPe ? 1 : 4; }
@@ -1250,25 +1239,28 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
   uint64_t* raw_full = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full);
   uint64_t* raw_empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty);
   const uint8_t* raw_stage = smem + SmemLayout::q + raw::kOffset;
-  uint32_t phases = 0, raw_phase = 0;  // phases bit s: the parity of stage s's barriers
+  // phases bit s (0, 1): the parity of stage s's barriers; bit 2: the stage of the item's next
+  // tile; bit 3: past the item's first tile. (One word, and the loop bounded by the keys rather
+  // than the tile count: at 56 registers, fp16's 64-row instance spilled a tile counter.)
+  uint32_t phases = 0, raw_phase = 0;
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
-    // (bounded by the keys, not r.num_tiles: one register fewer at 56, where fp16's instance
-    // otherwise spilled the tile count; unsigned, so that the last step cannot overflow)
+    phases &= 3u;  // an item's first tile is stage 0's
+    // (unsigned, so that the last step cannot overflow)
 #pragma unroll 1
-    for (uint32_t t = 0, key = uint32_t(r.kv_begin); key < uint32_t(r.kv_end); ++t, key += kBlockN) {
+    for (uint32_t key = uint32_t(r.kv_begin); key < uint32_t(r.kv_end); key += kBlockN) {
       const int key0 = int(key);
-      const int st = int(t & 1);
+      const int st = int(phases >> 2) & 1;
       uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
-      Fp8Slot slot[2] = {0, 0};  // from global memory: this thread's two keys' cache slots (-1: zeros)
+      int slot[2] = {0, 0};  // from global memory: this thread's two keys' cache slots (-1: zeros)
       if constexpr (kWide) {
         if (wt == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
 #pragma unroll
         for (int k = 0; k < 2; ++k)
-          slot[k] = Fp8Slot(cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end));
+          slot[k] = int(cache_slot(p, item.request, key0 + (wt >> 2) + 32 * k, r.kv_end));
         if (wt == 0)
-          for (int ahead = t == 0 ? 1 : 2; ahead <= 2; ++ahead)
+          for (int ahead = (phases & 8u) ? 2 : 1; ahead <= 2; ++ahead)
             prefetch_tile_l2(hp, item.request, key0 + ahead * kBlockN, r.kv_end);
       }
       // (kWide: the groups' order depends on the stage; one loop body keeps the code small)
@@ -1281,25 +1273,16 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
         const int chunks = 2 * group_boxes(g);
         if constexpr (kWide) {
           if (wt == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);  // (the trace's "issued": converted)
-          if constexpr (kFp8RowPointers) {
-            const uint8_t* row[2];  // this thread's two keys' chunks of the group's first box (slot
-                                    // -1: slot 0's, never read)
+          // Each key's row address once a group, the boxes immediate offsets (a slot is below
+          // 2^31, the Hopper kernel's limit, and widened here; slot -1: slot 0's row, never read).
+          const uint8_t* row[2];
 #pragma unroll
-            for (int k = 0; k < 2; ++k)
-              row[k] = cache + int64_t(slot[k] >= 0 ? slot[k] : 0) * kHeadDim + first * 64 + (wt & 3) * 16;
+          for (int k = 0; k < 2; ++k)
+            row[k] = cache + int64_t(slot[k] >= 0 ? slot[k] : 0) * kHeadDim + first * 64 + (wt & 3) * 16;
 #pragma unroll
-            for (int j = 0; j < chunks; ++j)
-              v[j] = slot[j & 1] >= 0 ? __ldg(reinterpret_cast<const uint4*>(row[j & 1] + (j >> 1) * 64))
-                                      : make_uint4(0, 0, 0, 0);
-          } else {
-#pragma unroll
-            for (int j = 0; j < chunks; ++j) {
-              const int64_t sl = slot[j & 1];
-              v[j] = sl >= 0 ? __ldg(reinterpret_cast<const uint4*>(cache + sl * kHeadDim + (first + (j >> 1)) * 64 +
-                                                                    (wt & 3) * 16))
-                             : make_uint4(0, 0, 0, 0);
-            }
-          }
+          for (int j = 0; j < chunks; ++j)
+            v[j] = slot[j & 1] >= 0 ? __ldg(reinterpret_cast<const uint4*>(row[j & 1] + (j >> 1) * 64))
+                                    : make_uint4(0, 0, 0, 0);
         } else {
           mbar_wait(&raw_full[g], raw_phase);
 #pragma unroll
@@ -1322,7 +1305,7 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
       }
       if (kWide && wt == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
       if constexpr (!kWide) raw_phase ^= 1;
-      phases ^= 1u << st;
+      phases = (phases ^ ((1u << st) | 4u)) | 8u;
     }
   }
 }
