@@ -1458,6 +1458,21 @@ TEST(GpuDecodeHopper, Fp8CacheSmall) {
   check_case(c, /*both_modes=*/true);
 }
 
+// The same on the 64-row tiles (128 heads: two row tiles a request), pages of 32 (two TMA boxes a
+// raw group) and of 64: the raw groups landing over their own 16-bit boxes, loaded ahead across
+// stages, with item changes.
+TEST(GpuDecodeHopper, Fp8CacheSmallWideTiles) {
+  MLA_REQUIRE_HOPPER();
+  for (const int page : {32, 64}) {
+    DecodeCase c = hopper_case(128, page, {130, 7, 0, 65, 200});
+    c.kv_dtype = DType::kFP8E4M3;
+    c.k_scale = 0.02f;
+    c.num_parts = 3;
+    c.seed = uint64_t(26700 + page);
+    check_case(c);
+  }
+}
+
 TEST(GpuDecodeGraph, CaptureAndReplayWithNewLengths) {
   MLA_REQUIRE_GPU();
   constexpr int kMaxBatch = 16, kHeads = 16, kPageSize = 32, kMaxBlocks = 64, kMaxQLen = 4;

@@ -578,7 +578,10 @@ __device__ __forceinline__ void store_p(uint8_t* box, const uint32_t (&pk)[8][2]
 
 // Zeroes rows [keys, 64) of the four boxes at `boxes` (one V half of a partial last tile): the
 // cache may hold NaN there, and 0 * NaN would reach O. Run by one warpgroup (wt = 0..127),
-// followed by a fence and that warpgroup's barrier.
+// followed by a fence and that warpgroup's barrier. Not on the 64-row tiles with an fp8 cache:
+// their converter writes a key past the item's end as zeros (its slot is -1), before the full
+// barrier (the consumers' zeroing after it was redundant, and a write the race checker could not
+// order against the converter's next fill, released by one lane a warp).
 __device__ __forceinline__ void zero_tail_rows(uint8_t* boxes, int keys, int wt, int bar) {
   const int tail_bytes = (kBlockN - keys) * 128;  // per box, from row `keys` on
 #pragma unroll 1
@@ -726,7 +729,7 @@ struct ConsumerSmem {
 // tiles, with the rows' running max m and sum l. xb_phase is the parity of kXB (WG1: completes
 // once per pair with an odd tile) or of kXA / kXC (WG2: each once per pair).
 // WG1: O[:, 0:256] and the scores of even tiles.
-template <typename T>
+template <typename T, bool kFp8>
 __device__ __forceinline__ void left_pairs(const HopperParams& hp, const ItemRange& r, const RowState& rs,
                                            ConsumerSmem& sm, int wt, int lane, float (&o)[128],
                                            float (&m)[2], float (&l)[2], uint32_t& b_phase,
@@ -755,7 +758,7 @@ __device__ __forceinline__ void left_pairs(const HopperParams& hp, const ItemRan
     sm.publish(kXA, kBarLeft, nullptr, 0, sm.m0, sm.c0, rs, m0, c0, lane);  // m0, c0 to WG2
 
     const int keys0 = r.kv_end - key0;
-    if (keys0 < kBlockN) {
+    if (!kFp8 && keys0 < kBlockN) {  // (an fp8 cache's converter wrote those rows as zeros)
       named_sync(kBarLeft, 128);  // every warp's part of S0 is done reading the rows zeroed here
       zero_tail_rows(sm.stage0 + group_first_box(kGroupL) * kBoxBytes, keys0, wt, kBarLeft);
     }
@@ -796,7 +799,7 @@ __device__ __forceinline__ void left_pairs(const HopperParams& hp, const ItemRan
 #pragma unroll
       for (int j = 0; j < 2; ++j) l[j] *= c1[j];
       const int keys1 = r.kv_end - (key0 + kBlockN);
-      if (keys1 < kBlockN) zero_tail_rows(sm.stage1 + group_first_box(kGroupL) * kBoxBytes, keys1, wt, kBarLeft);
+      if (!kFp8 && keys1 < kBlockN) zero_tail_rows(sm.stage1 + group_first_box(kGroupL) * kBoxBytes, keys1, wt, kBarLeft);
       mbar_wait(&sm.full[1 * kGroups + kGroupL], phase[1]);
       scale_o(o, c1);
       pv_ss<T>(sm.st1 + kPeBox * kBoxBytes, sm.st1 + group_first_box(kGroupL) * kBoxBytes, o);
@@ -827,7 +830,7 @@ __device__ __forceinline__ void left_pairs(const HopperParams& hp, const ItemRan
 }
 
 // WG2: O[:, 256:512] and the scores of odd tiles.
-template <typename T>
+template <typename T, bool kFp8>
 __device__ __forceinline__ void right_pairs(const HopperParams& hp, const ItemRange& r, const RowState& rs,
                                             ConsumerSmem& sm, int wt, int lane, float (&o)[128],
                                             float (&m)[2], float (&l)[2], uint32_t& x_phase,
@@ -864,7 +867,7 @@ __device__ __forceinline__ void right_pairs(const HopperParams& hp, const ItemRa
 #pragma unroll
       for (int j = 0; j < 2; ++j) l[j] = l[j] * c01[j] + sum[j];
       const int keys1 = r.kv_end - (key0 + kBlockN);
-      if (keys1 < kBlockN) zero_tail_rows(sm.stage1 + group_first_box(kGroupR) * kBoxBytes, keys1, wt, kBarRight);
+      if (!kFp8 && keys1 < kBlockN) zero_tail_rows(sm.stage1 + group_first_box(kGroupR) * kBoxBytes, keys1, wt, kBarRight);
       scale_o(o, c01);
       pv_rs<T>(pk, sm.st1 + group_first_box(kGroupR) * kBoxBytes, o);
     } else {
@@ -880,7 +883,7 @@ __device__ __forceinline__ void right_pairs(const HopperParams& hp, const ItemRa
     mbar_wait(&sm.xbar[kXC], x_phase);
     x_phase ^= 1;
     const int keys0 = r.kv_end - key0;
-    if (keys0 < kBlockN) zero_tail_rows(sm.stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
+    if (!kFp8 && keys0 < kBlockN) zero_tail_rows(sm.stage0 + group_first_box(kGroupR) * kBoxBytes, keys0, wt, kBarRight);
     mbar_wait(&sm.full[0 * kGroups + kGroupR], phase[0]);
     pv_ss<T>(sm.st0 + kPeBox * kBoxBytes, sm.st0 + group_first_box(kGroupR) * kBoxBytes, o);
     if (has_odd) {
@@ -938,9 +941,9 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
 #pragma unroll
       for (int i = 0; i < 128; ++i) o[i] = 0.0f;
       if (left)
-        left_pairs<T>(hp, r, rs, sm, wt, lane, o, m, l, xb_phase, phase);
+        left_pairs<T, kFp8>(hp, r, rs, sm, wt, lane, o, m, l, xb_phase, phase);
       else
-        right_pairs<T>(hp, r, rs, sm, wt, lane, o, m, l, xb_phase, phase);
+        right_pairs<T, kFp8>(hp, r, rs, sm, wt, lane, o, m, l, xb_phase, phase);
       // Nothing reads Q after the pairs: this warpgroup's warps have waited for their last S (the
       // barrier), and the other warpgroup's last S was waited for before it published the pair
       // statistics this one has waited for (WG1 reads WG2's kXB after WG2's last odd tile's S;
