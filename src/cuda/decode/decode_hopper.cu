@@ -1313,120 +1313,6 @@ __device__ void run_converter(const HopperParams& hp, uint8_t* smem, int begin, 
   }
 }
 
-// The 64-row tiles' converter with its loads pipelined in half groups: with
-// MLA_DECODE_FP8_HALF_GROUPS=1 in MLA_DECODE_KNOBS, in place of run_converter<T, true>. A tile is
-// five units in load order: the first group's boxes 0-1 and 2-3, the second's, then the PE box
-// (two chunks a thread). Two buffers of four chunks (the 32 registers a whole group took) take
-// the units in turn, and a unit's loads go out as soon as the unit two before it is stored, so
-// that the next unit's loads are in flight while this one converts, across groups and tiles. The
-// waits for the stages and the arrivals on their full barriers are run_converter's, in the same
-// order (a group's first unit waits for its release, its last one arrives).
-#if defined(MLA_DECODE_FP8_HALF_GROUPS) && MLA_DECODE_FP8_HALF_GROUPS
-constexpr bool kFp8HalfGroups = true;
-#else
-constexpr bool kFp8HalfGroups = false;
-#endif
-constexpr int kUnitsPerTile = 5;
-
-// Unit u (0..4) of a tile on stage st: its first box (its group's is first / 4 * 4: group_order's
-// L, R, PE or R, L, PE, two units to a group), four bits a unit.
-__device__ __forceinline__ int unit_first_box(int st, int u) {
-  static_assert(group_order(0, 0) == kGroupL && group_order(1, 0) == kGroupR && group_order(0, 2) == kGroupPe &&
-                    group_first_box(kGroupR) == 4 && group_first_box(kGroupPe) == kPeBox && kPeBox == 8,
-                "unit_first_box's tables follow group_order and the boxes of the groups");
-  return int(((st ? 0x82064u : 0x86420u) >> (4 * u)) & 15u);
-}
-
-// A tile's unit's chunks (two a box; the PE unit, u == 4, two in all) of the tile whose slots are
-// `slot` into `v` (slot -1: zeros). Chunk j: box first + j / 2, key (wt / 4) + 32 (j % 2), bytes
-// 16 (wt % 4) of the key's 64 in the box.
-__device__ __forceinline__ void load_unit(const uint8_t* cache, const int (&slot)[2], int first, bool pe, int wt,
-                                          uint4 (&v)[4]) {
-  const uint8_t* row[2];
-#pragma unroll
-  for (int k = 0; k < 2; ++k)
-    row[k] = cache + int64_t(slot[k] >= 0 ? slot[k] : 0) * kHeadDim + first * 64 + (wt & 3) * 16;
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    v[j] = (j < 2 || !pe) && slot[j & 1] >= 0 ? __ldg(reinterpret_cast<const uint4*>(row[j & 1] + (j >> 1) * 64))
-                                              : make_uint4(0, 0, 0, 0);
-}
-
-// A unit cursor: tile t of the item (key0 its first key), unit u of the tile.
-struct UnitCursor {
-  int key0, t, u;
-  __device__ __forceinline__ void next() {
-    if (++u == kUnitsPerTile) {
-      u = 0;
-      ++t;
-      key0 += kBlockN;
-    }
-  }
-};
-
-template <typename T>
-__device__ void run_converter_halves(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
-  const DecodeParams& p = hp.p;
-  const int wt = int(threadIdx.x);
-  const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full);
-  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty);
-  uint32_t phases = 0;  // bit s: the parity of stage s's barriers
-  for (int it = begin; it < end; ++it) {
-    const WorkItem item = fetch_item(p, it, lane_of_cta);
-    const ItemRange r = item_range(p.layout, item, hp.block_m);
-    int slot[2] = {0, 0};  // the cache slots of this thread's two keys of the loading unit's tile
-    UnitCursor ld{r.kv_begin, 0, 0}, cv{r.kv_begin, 0, 0};  // the next unit to load, to convert
-    // The loading cursor's unit into v (a tile's first unit looks up the tile's slots first).
-    const auto load = [&](uint4(&v)[4]) {
-      if (ld.u == 0) {
-#pragma unroll
-        for (int k = 0; k < 2; ++k)
-          slot[k] = int(cache_slot(p, item.request, ld.key0 + (wt >> 2) + 32 * k, r.kv_end));
-        if (wt == 0)
-          for (int ahead = ld.t == 0 ? 1 : 2; ahead <= 2; ++ahead)
-            prefetch_tile_l2(hp, item.request, ld.key0 + ahead * kBlockN, r.kv_end);
-      }
-      load_unit(cache, slot, unit_first_box(ld.t & 1, ld.u), ld.u == 4, wt, v);
-      ld.next();
-    };
-    // The converting cursor's unit from v into its stage: a group's first unit (u even) waits for
-    // the group's release, its last one (u odd, or the PE unit) arrives on its full barrier.
-    const auto store = [&](const uint4(&v)[4]) {
-      const int st = cv.t & 1, u = cv.u;
-      const int first = unit_first_box(st, u);
-      uint64_t* group_bar = &empty[st * kGroups + (first >> 2)];
-      uint8_t* stage = smem + SmemLayout::k + st * kTileBytes;
-      if ((u & 1) == 0) mbar_wait(group_bar, ((phases >> st) & 1) ^ 1);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (j < 2 || u != 4) {
-          const int chunk = wt + kConverterThreads * (j & 1);
-          store_converted<T>(stage, first + (j >> 1), chunk >> 2, (chunk & 3) * 16, v[j]);
-        }
-      }
-      if ((u & 1) == 1 || u == 4) {
-        fence_proxy_async();  // the stores, before the consumers' wgmma reads them
-        mbar_arrive(group_bar + (full - empty));
-      }
-      if (u == 4) phases ^= 1u << st;
-      cv.next();
-    };
-    // (both cursors stop at the item's end: the tile from kv_end on is not one of its tiles)
-    uint4 a[4], b[4];
-    if (ld.key0 < r.kv_end) load(a);
-    if (ld.key0 < r.kv_end) load(b);
-#pragma unroll 1
-    while (cv.key0 < r.kv_end) {
-      store(a);
-      if (ld.key0 < r.kv_end) load(a);
-      if (cv.key0 >= r.kv_end) break;
-      store(b);
-      if (ld.key0 < r.kv_end) load(b);
-    }
-  }
-}
-
 // kNarrow: the row-tile class (tiles of at most 16 rows, run_narrow_consumer; else 32 or 64 rows,
 // run_consumer), a template parameter like the portable kernel's kRowTiles: the two classes differ
 // in their register split and their consumers' code. kFp8: an fp8 cache.
@@ -1484,9 +1370,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     // (168 a thread at launch); 64-row tiles: 128 x 40 + 256 x 232 = 64,512, with an fp8 cache
     // 56 / 224 (the converter holds a group's loads: 32 registers).
     setmaxnreg_dec<kNarrow || kFp8 ? 56 : 40>();
-    if constexpr (kFp8 && !kNarrow && kFp8HalfGroups) {
-      run_converter_halves<T>(hp, smem, begin, end, lane);
-    } else if constexpr (kFp8 && !kNarrow) {
+    if constexpr (kFp8 && !kNarrow) {
       run_converter<T, true>(hp, smem, begin, end, lane);  // every thread, from global memory
     } else if constexpr (kFp8) {
       if (threadIdx.x == 0) {
