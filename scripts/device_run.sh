@@ -198,10 +198,16 @@ elif [[ -z "$SANITIZER" ]]; then
 else
   run_sanitizer memcheck "${GPU_SANITIZE_FILTER:-*}"
   if [[ -z "${GPU_RACECHECK_FILTER:-}" ]]; then
-    # The first test of every suite: each kernel family once, at a fraction of the full cost.
+    # The first test of every suite: each kernel family once, at a fraction of the full cost; and
+    # the Hopper kernel's pipeline edges small enough for the race checker (the fp8 converters on
+    # both tile classes, item changes, partial tiles).
     GPU_RACECHECK_FILTER="$("$GPU_TESTS" --gtest_list_tests --gtest_filter="${GPU_SANITIZE_FILTER:-*}" |
       awk '/^[^ ]/ { suite = $1; first = 1; next } first && /^  / { print suite $1; first = 0 }' |
       paste -sd: - || true)"
+    if [[ -z "${GPU_SANITIZE_FILTER:-}" ]]; then
+      GPU_RACECHECK_FILTER+=":GpuDecodeHopper.Fp8CacheSmall*:GpuDecodeHopper.ManyItemsPerCta"
+      GPU_RACECHECK_FILTER+=":GpuDecodeHopper.KvLengthsAroundTilesAndPages:GpuDecodeHopper.RisingAndFallingScores"
+    fi
   fi
   run_sanitizer racecheck "${GPU_RACECHECK_FILTER:-*}"
 fi
