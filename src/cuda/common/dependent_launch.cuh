@@ -29,37 +29,21 @@ __device__ __forceinline__ void allow_dependent_launch() {
 }
 
 // Launches `kernel` as a dependent of the previous work in `stream` (sm_90 and later; an ordinary
-// launch before), in clusters of `cluster_x` CTAs along x where it is above 1 (sm_90 and later;
-// grid.x a multiple of it). Capturable in a CUDA graph.
+// launch before). Capturable in a CUDA graph.
 template <typename... Params, typename... Args>
-void launch_dependent_in_clusters(unsigned cluster_x, void (*kernel)(Params...), dim3 grid, dim3 block,
-                                  size_t smem_bytes, cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attr[2];
-  unsigned n = 0;
-  if (current_device_info().cc_major >= 9) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster_x > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = cluster_x;
-    attr[n].val.clusterDim.y = 1;
-    attr[n++].val.clusterDim.z = 1;
-  }
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                      cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = n;
+  config.numAttrs = current_device_info().cc_major >= 9 ? 1 : 0;
   MLA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-}
-
-template <typename... Params, typename... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
-                      cudaStream_t stream, Args&&... args) {
-  launch_dependent_in_clusters(1, kernel, grid, block, smem_bytes, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace mla::cuda

@@ -158,38 +158,13 @@ struct SmemLayout {
   static constexpr int bytes = end + 1024;  // slack to align the base to 1024
 };
 
-// With MLA_DECODE_PAIR_MULTICAST=1 in MLA_DECODE_KNOBS, the 64-row tiles of a 16-bit cache at 128
-// heads run as clusters of two CTAs, the two row tiles of one token over the same keys (lanes 2k
-// and 2k + 1 of the plan): each CTA loads half of every L and R group (boxes 2r, 2r + 1 of the
-// group, r its rank; rank 0 the PE box) into both CTAs' stages by TMA multicast, so that L2 sends
-// each tile to the pair once instead of twice. A stage group is then refilled only once both
-// CTAs' consumers released it: each consumer warp arrives on its own CTA's empty barrier and on
-// the partner's (8 arrivals).
-#if defined(MLA_DECODE_PAIR_MULTICAST) && MLA_DECODE_PAIR_MULTICAST
-constexpr bool kPairMulticast = true;
-#else
-constexpr bool kPairMulticast = false;
-#endif
-
 struct HopperParams {
   CUtensorMap kv_map;  // [rows = P * S, 576] 16-bit, boxes of {64, box_rows}, 128B swizzle; an fp8
                        // cache: bytes, the same boxes, no swizzle
   DecodeParams p;
   int block_m;         // rows per tile of the plan (16, 32 or 64)
   int box_rows;        // keys per TMA box: min(page size, 64)
-#if defined(MLA_DECODE_PAIR_MULTICAST) && MLA_DECODE_PAIR_MULTICAST
-  int pair;  // 1: launched as clusters of two (above)
-#endif
 };
-
-__host__ __device__ inline bool pair_mode(const HopperParams& hp) {
-#if defined(MLA_DECODE_PAIR_MULTICAST) && MLA_DECODE_PAIR_MULTICAST
-  return hp.pair != 0;
-#else
-  (void)hp;
-  return false;
-#endif
-}
 
 #if defined(MLA_SM90A_DEVICE)
 
@@ -285,23 +260,6 @@ __device__ __forceinline__ void issue_group(const HopperParams& hp, int request,
   }
 }
 
-// Pair mode (kPairMulticast): this CTA's share of group g, into both CTAs of the cluster: an L or
-// R group's boxes first + 2 rank and first + 2 rank + 1, the PE box from rank 0; each CTA's full
-// barrier expects the whole group (both shares land there).
-__device__ __forceinline__ void issue_group_pair(const HopperParams& hp, int request, int key0, int kv_end,
-                                                 int row0, uint8_t* stage, int g, uint64_t* full, uint32_t rank) {
-  const int box_rows = hp.box_rows;
-  const int count = group_boxes(g);
-  const int first = group_first_box(g) + (count == 1 ? 0 : 2 * int(rank));
-  const int mine = count == 1 ? (rank == 0 ? 1 : 0) : 2;
-  mbar_arrive_expect_tx(full, uint32_t(count * kBlockN * 128));
-  for (int sub = 0; sub < 64; sub += box_rows) {
-    const int row = sub == 0 ? row0 : box_row(hp, request, key0 + sub, kv_end);
-    for (int c = first; c < first + mine; ++c)
-      tma_load_2d_multicast(stage + c * kBoxBytes + sub * 128, &hp.kv_map, full, c * 64, row, 0x3, kEvictNormal);
-  }
-}
-
 // Whether other CTAs read the item's keys too (the request's rows span several row tiles: 128
 // heads, or 64 with two queries): only there does an L2 prefetch pay, the second reader finding
 // the tile in L2. A tile with one reader is read from DRAM once either way, and there the
@@ -333,25 +291,18 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
   uint8_t* tile = smem + SmemLayout::k + stage * kTileBytes;
   prefetch_tensor_map(&hp.kv_map);
   uint32_t phase = 0;
-  const bool pair = pair_mode(hp);
-  const uint32_t rank = pair ? cluster_ctarank() : 0;
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
-    // (a pair's two row tiles read the keys once: other readers only past two row tiles)
-    const bool prefetch =
-        pair ? row_tiles(r.g.q_len, p.layout.num_heads, hp.block_m) > 2 : keys_shared(hp, r);
+    const bool prefetch = keys_shared(hp, r);
     for (int t = stage; t < r.num_tiles; t += 2) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(stage, i);
         mbar_wait(&empty[g], phase ^ 1);
-        if (pair)
-          issue_group_pair(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g], rank);
-        else
-          issue_group(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g], 128);
+        issue_group(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g], 128);
         if (stage == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
@@ -753,17 +704,11 @@ struct ConsumerSmem {
     mbar_arrive(&xbar[x]);
   }
 
-  // Releases groups g0 (and g1 >= 0) of `stage`: one arrival per warp (in pair mode on the
-  // partner's barrier too; the flag and the rank read where needed, not held in registers).
-  __device__ __forceinline__ void release(const HopperParams& hp, int stage, int g0, int g1, int lane) {
+  // Releases groups g0 (and g1 >= 0) of `stage`: one arrival per warp.
+  __device__ __forceinline__ void release(int stage, int g0, int g1, int lane) {
     if (lane == 0) {
       mbar_arrive(&empty[stage * kGroups + g0]);
       if (g1 >= 0) mbar_arrive(&empty[stage * kGroups + g1]);
-      if (kPairMulticast && pair_mode(hp)) {
-        const uint32_t partner = cluster_ctarank() ^ 1u;
-        mbar_arrive_cluster(&empty[stage * kGroups + g0], partner);
-        if (g1 >= 0) mbar_arrive_cluster(&empty[stage * kGroups + g1], partner);
-      }
     }
   }
 };
@@ -823,7 +768,7 @@ __device__ __forceinline__ void left_pairs(const HopperParams& hp, const ItemRan
     wgmma_wait<0>();  // P0 V0_L
     fence_operands(o);
     fence_operands(pk);  // P0 V0_L read pk until here: its registers must not be reused before
-    sm.release(hp, 0, kGroupL, -1, lane);
+    sm.release(0, kGroupL, -1, lane);
 
     // m1, c1 and P1 from WG2; then P0 at the pair's final max to WG2 (exp2(S0 - m1), rounded
     // once). The next pair's kXA / kXC arrivals wait for stage 0's next tile, which WG2
@@ -865,7 +810,7 @@ __device__ __forceinline__ void left_pairs(const HopperParams& hp, const ItemRan
       if (has_odd) {
         wgmma_wait<1>();  // P1 V1_L
         fence_operands(o);
-        sm.release(hp, 1, kGroupL, kGroupPe, lane);
+        sm.release(1, kGroupL, kGroupPe, lane);
       }
       issue_scores<T, 0>(sm.sq_addr, sm.st0, sm.full, phase[0] ^ 1, s, 1, kGroups);
       wgmma_wait<0>();
@@ -876,7 +821,7 @@ __device__ __forceinline__ void left_pairs(const HopperParams& hp, const ItemRan
       // it waits at the loop's back edge itself and serialises every wgmma of the kernel.
       wgmma_wait<0>();
       fence_operands(o);
-      if (has_odd) sm.release(hp, 1, kGroupL, kGroupPe, lane);
+      if (has_odd) sm.release(1, kGroupL, kGroupPe, lane);
     }
     phase[0] ^= 1;
     if (has_odd) phase[1] ^= 1;
@@ -945,11 +890,11 @@ __device__ __forceinline__ void right_pairs(const HopperParams& hp, const ItemRa
       wgmma_wait<1>();  // P1 V1_R
       fence_operands(o);
       fence_operands(pk);  // P1 V1_R read pk until here
-      sm.release(hp, 1, kGroupR, -1, lane);
+      sm.release(1, kGroupR, -1, lane);
     }
     wgmma_wait<0>();  // P0' V0_R
     fence_operands(o);
-    sm.release(hp, 0, kGroupR, kGroupPe, lane);
+    sm.release(0, kGroupR, kGroupPe, lane);
     if (has_next_odd) tile_scores<T, 1>(sm.sq_addr, sm.st1, sm.full, phase[1] ^ 1, s);
     phase[0] ^= 1;
     if (has_odd) phase[1] ^= 1;
@@ -1394,10 +1339,9 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     for (int b = 0; b < kStages * kGroups; ++b) {
       // The converter's every thread, or the TMA bytes.
       mbar_init(&full[b], kFp8 ? kConverterThreads : 1);
-      // One arrival per warp of the releasing warpgroup (pair mode: of both CTAs'); the narrow
-      // consumers' every thread arrives (no lane test between their wgmma waits: ptxas would
-      // serialise them).
-      mbar_init(&empty[b], kNarrow ? 128 : pair_mode(hp) ? 8 : 4);
+      // One arrival per warp of the releasing warpgroup; the narrow consumers' every thread
+      // arrives (no lane test between their wgmma waits: ptxas would serialise them).
+      mbar_init(&empty[b], kNarrow ? 128 : 4);
     }
     for (int b = 0; b < kExchanges; ++b) mbar_init(&xbar[b], 128);  // every writer thread
     if constexpr (kFp8 && kNarrow) {
@@ -1410,15 +1354,11 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     mbar_init_fence();
   }
   __syncthreads();
-  if (kPairMulticast && pair_mode(hp)) cluster_sync();  // the partner's barriers exist
   wait_for_prior_grids();  // the plan (and everything before it in the stream) is done
   if (threadIdx.x == 0) MLA_DECODE_STAMP(kTraceWaited);
   allow_dependent_launch();
   int begin, end, lane;
   if constexpr (!kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);
-  // A pair is lanes 2k and 2k + 1 of one part: a plan with an odd number of lanes would not pair.
-  // (Unplanned, CTA 2k + r is row tile 2j + r of a request: the host checked the tiles are even.)
-  if (kPairMulticast && pair_mode(hp) && p.has_schedule && uint32_t(lane & 1) != cluster_ctarank()) __trap();
   if (threadIdx.x == 0) MLA_DECODE_STAMP(kTraceWork);
 
   // The warpgroup, as a value ptxas can see is the same across each warp (a shuffle from lane 0):
@@ -1429,7 +1369,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     // the work range in registers). Narrow: 128 x 56 + 256 x 224 = 64,512 of the CTA's 64,512
     // (168 a thread at launch); 64-row tiles: 128 x 40 + 256 x 232 = 64,512, with an fp8 cache
     // 56 / 224 (the converter holds a group's loads: 32 registers).
-    setmaxnreg_dec<kNarrow || kFp8 || kPairMulticast ? 56 : 40>();
+    setmaxnreg_dec<kNarrow || kFp8 ? 56 : 40>();
     if constexpr (kFp8 && !kNarrow) {
       run_converter<T, true>(hp, smem, begin, end, lane);  // every thread, from global memory
     } else if constexpr (kFp8) {
@@ -1442,7 +1382,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
     }
   } else {
-    setmaxnreg_inc<kNarrow || kFp8 || kPairMulticast ? 224 : 232>();
+    setmaxnreg_inc<kNarrow || kFp8 ? 224 : 232>();
     if constexpr (kNarrow) {
       if (wg == 1) {
         run_narrow_consumer<T, kFp8>(hp, smem);
@@ -1453,8 +1393,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     } else
       run_consumer<T, kFp8>(hp, smem, begin, end, lane, wg == 1);
   }
-  // No CTA of a pair exits while its partner may still arrive on its barriers or write its stages.
-  if (kPairMulticast && pair_mode(hp)) cluster_sync();
 #if defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -1484,33 +1422,6 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   }();
   return fn;
 }
-
-#if defined(MLA_DECODE_PAIR_MULTICAST) && MLA_DECODE_PAIR_MULTICAST
-// How many clusters of two CTAs of kKernel (SmemLayout::bytes each) the current device runs at
-// once: a GPC with an odd number of free SMs leaves one out. Asked once per device.
-template <auto kKernel>
-int resident_pairs() {
-  static std::atomic<int> cached[64] = {};
-  const DeviceInfo& info = current_device_info();
-  std::atomic<int>* slot = info.device < 64 ? &cached[info.device] : nullptr;
-  if (slot != nullptr && slot->load(std::memory_order_acquire) > 0) return slot->load(std::memory_order_acquire);
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(2 * unsigned(info.sm_count));
-  config.blockDim = dim3(kHopperThreads);
-  config.dynamicSmemBytes = SmemLayout::bytes;
-  config.attrs = &attr;
-  config.numAttrs = 1;
-  int clusters = 0;
-  MLA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config));
-  if (slot != nullptr && clusters > 0) slot->store(clusters, std::memory_order_release);
-  return clusters;
-}
-#endif
 
 }  // namespace
 
@@ -1550,19 +1461,7 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
   const auto launch = [&](auto narrow, auto fp8_cache) {
     constexpr auto kernel = mla_decode_hopper_kernel<T, decltype(narrow)::value, decltype(fp8_cache)::value>;
     opt_in_dynamic_smem<kernel>(SmemLayout::bytes);
-#if defined(MLA_DECODE_PAIR_MULTICAST) && MLA_DECODE_PAIR_MULTICAST
-    // Pairs: 64-row tiles of a 16-bit cache at 128 heads, where CTAs 2k and 2k + 1 are the two row
-    // tiles of one token over the same keys (an even number of lanes or, unplanned, of row tiles a
-    // request) and every pair of the grid runs at once.
-    const int lanes = params.has_schedule ? params.plan_lanes : params.tiles_per_request;
-    hp.pair = !decltype(narrow)::value && !decltype(fp8_cache)::value && block_m == 64 &&
-              params.layout.num_heads == 128 && grid % 2 == 0 && lanes % 2 == 0 &&
-              grid / 2 <= resident_pairs<kernel>();
-    launch_dependent_in_clusters(hp.pair ? 2u : 1u, kernel, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes,
-                                 stream, hp);
-#else
     launch_dependent(kernel, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes, stream, hp);
-#endif
   };
   if (block_m <= 16) {
     if (fp8) launch(std::true_type{}, std::true_type{});
