@@ -1446,6 +1446,34 @@ TEST(GpuDecodeHopper, Fp8CacheWideTiles) {
   check_case(d);
 }
 
+// 128 heads on 64-row tiles: the two row tiles of a token over the same keys, as two lanes of a
+// plan's part. Pages of 16, 32 and 64 (four, two and one TMA boxes a group's box column), kv
+// lengths around tiles, 1 token, variable queries (lanes with no rows for the shorter requests),
+// an even and an odd number of parts (the odd one leaves its last CTA without a part), unplanned,
+// and an fp16 cache.
+TEST(GpuDecodeHopper, TwoRowTilesOfATokenOverTheSameKeys) {
+  MLA_REQUIRE_HOPPER();
+  int seed = 28000;
+  for (const int page : {16, 32, 64}) {
+    for (const int parts : {0, 6, 7}) {
+      DecodeCase c = hopper_case(128, page, {1, 63, 64, 65, 700, 129, 2049});
+      c.num_parts = parts;
+      c.seed = uint64_t(seed++);
+      check_case(c);
+    }
+  }
+  DecodeCase v = hopper_case(128, 64, {300, 5, 64, 1000, 129});
+  v.q_lens = {3, 0, 1, 4, 2};
+  v.use_cu_q_lens = true;
+  v.seed = uint64_t(seed++);
+  check_case(v, /*both_modes=*/true);
+  DecodeCase f = hopper_case(128, 32, {77, 640, 1}, 2);
+  f.q_dtype = f.kv_dtype = f.out_dtype = DType::kFP16;
+  f.use_schedule = false;
+  f.seed = uint64_t(seed++);
+  check_case(f);
+}
+
 // Small enough for the race checker: an fp8 cache on the narrow consumers, pages of 32, split
 // keys over a few CTAs (item changes with the raw stage in flight).
 TEST(GpuDecodeHopper, Fp8CacheSmall) {
