@@ -68,13 +68,18 @@
 //       B 128 kv 4k 742 µs on the portable kernel -> 422, 0.43 of GEMM; B 1 kv 16k 43.8 -> 32.7).
 //   v9  a slack of 8 on the row max (next_max): most tiles skip O's rescale and WG1's P0 at m1
 //       (H100: 128 h B 128 kv 4k 267.9 -> 265.8 µs, 128 h B 64 kv 4k q 2 245.7 -> 230.2).
+//   v10 the 64-row fp8 converter: row addresses once a group, each word's upper fp8 pair
+//       converted in place (H200: 128 h B 128 kv 4k fp8 407.6 -> 386.8 µs, fp16 query 382.4 ->
+//       ~360).
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
 //   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, pages below 16 tokens
 //   loaded by WG0 with cp.async (slower than the portable kernel; decode-kernel.md), an item's first tiles
 //   landing before the next ones are prefetched (B 1 -2 %, but the producer's wait needs 8 more
 //   registers, taken from the consumers: kv 16k +1 to +2 %), and the same wait in an idle thread
 //   of the producer warpgroup (H100: 128 h B 1 -3.5 %, B 128 kv 4k +1.6 %, kv 16k +2.4 %), and
-//   the 64-row fp8 converter working in place behind TMA on 2 or 3 warps (H100: +30 %, +5 %).
+//   the 64-row fp8 converter working in place behind TMA on 2 or 3 warps (H100: +30 %, +5 %),
+//   and on 4 warps with thread 0 loading ahead (+43 %), and its loads pipelined in half groups
+//   (+18 %, fp16 query +34 %).
 #include "cuda/decode/decode_hopper.hpp"
 
 #include <cuda.h>
