@@ -1486,9 +1486,9 @@ TEST(GpuDecodeHopper, Fp8CacheSmall) {
   check_case(c, /*both_modes=*/true);
 }
 
-// The same on the 64-row tiles (128 heads: two row tiles a request), pages of 32 (two TMA boxes a
-// raw group) and of 64: the raw groups landing over their own 16-bit boxes, loaded ahead across
-// stages, with item changes.
+// The same on the 64-row tiles (128 heads: two row tiles a request), pages of 32 and 64: the
+// converter's loads from global memory into both stages, the keys past an item's end written as
+// zeros (the consumers do not zero them here), with item changes.
 TEST(GpuDecodeHopper, Fp8CacheSmallWideTiles) {
   MLA_REQUIRE_HOPPER();
   for (const int page : {32, 64}) {

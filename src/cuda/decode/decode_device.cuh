@@ -15,9 +15,7 @@
 
 namespace mla::cuda::decode {
 
-// Two fp8 e4m3 values (low byte first) -> two values of T, packed. Exact: every e4m3 value is
-// representable in bf16 and in fp16.
-// Two halves (one word) -> two values of T.
+// Two halves (one word) -> two values of T, packed.
 template <typename T>
 __device__ __forceinline__ uint32_t from_half2(uint32_t h) {
   if constexpr (std::is_same_v<T, __half>) {
@@ -28,6 +26,8 @@ __device__ __forceinline__ uint32_t from_half2(uint32_t h) {
   }
 }
 
+// Two fp8 e4m3 values (low byte first) -> two values of T, packed. Exact: every e4m3 value is
+// representable in bf16 and in fp16.
 template <typename T>
 __device__ __forceinline__ uint32_t fp8x2_to(uint32_t two) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);

@@ -69,8 +69,8 @@
 //   v9  a slack of 8 on the row max (next_max): most tiles skip O's rescale and WG1's P0 at m1
 //       (H100: 128 h B 128 kv 4k 267.9 -> 265.8 µs, 128 h B 64 kv 4k q 2 245.7 -> 230.2).
 //   v10 the 64-row fp8 converter: row addresses once a group, each word's upper fp8 pair
-//       converted in place (H200: 128 h B 128 kv 4k fp8 407.6 -> 386.8 µs, fp16 query 382.4 ->
-//       ~360).
+//       converted in place (H200: 128 h B 128 kv 4k fp8 407.6 -> 386.8 µs; fp16 query 382.4 ->
+//       366.1, 360.1 with the row addresses alone, before the spill that cost it was removed).
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
 //   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, pages below 16 tokens
 //   loaded by WG0 with cp.async (slower than the portable kernel; decode-kernel.md), an item's first tiles
