@@ -62,7 +62,7 @@ struct DecodeSchedule {
   size_t items_offset = 0;        // [max_items] work items (request, row tile, key range, slot)
   size_t part_begin_offset = 0;   // [num_parts + 1] int32: CTA p runs items [begin[p], begin[p+1])
   size_t split_units_offset = 0;  // [max_split_units] row tiles to combine
-  size_t partial_lse_offset = 0;  // [max_slots, 64] fp32
+  size_t partial_lse_offset = 0;  // [64, max_slots] fp32: row r of slot s at r * max_slots + s
   size_t partial_out_offset = 0;  // [max_slots, 64, 512] in the output's dtype (room for fp32)
 };
 

@@ -109,7 +109,7 @@ __device__ __forceinline__ void load_step(const typename Quad<Partial>::Raw* bas
   for (int u = 0; u < kUnroll; ++u) {
     const int piece = k + u * stride;
     const bool in = piece < n;
-    st.lse[u] = in ? lse_k[int64_t(piece) * kMaxBlockM] : -INFINITY;
+    st.lse[u] = in ? lse_k[piece] : -INFINITY;
 #pragma unroll
     for (int i = 0; i < 4; ++i)
       st.v[u][i] = in ? base[piece * kSlotStride4 + lane + 32 * i] : typename Quad<Partial>::Raw{};
@@ -139,7 +139,7 @@ __device__ __forceinline__ void add4(float4& a, const float4& b) {
   a.w += b.w;
 }
 
-// The row's LSE over its n pieces' LSEs (lse_k, a slot apart), the same in every lane: its max
+// The row's LSE over its n pieces' LSEs (lse_k, consecutive words), the same in every lane: its max
 // and the sum of exp(lse_k - max) (-inf and 0 when every piece is empty). A lane's four a round
 // trip (up to 128 pieces), the round's max first, then four independent exps; then the warp's
 // max, and each lane's sum moved to it and the sums added.
@@ -152,7 +152,7 @@ __device__ __forceinline__ void row_lse(const float* lse_k, int n, int lane, flo
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int k = k0 + lane + 32 * u;
-      v[u] = k < n ? lse_k[int64_t(k) * kMaxBlockM] : -INFINITY;
+      v[u] = k < n ? lse_k[k] : -INFINITY;
     }
     const float m_r = fmaxf(fmaxf(v[0], v[1]), fmaxf(v[2], v[3]));
     float s_r = 0.0f;
@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       return v == 0x5a5a5a5au ? 1ull : globaltimer_ns();
     };
     trace_probe[0] = load_returned_at(&p.schedule.header->magic);
-    trace_probe[1] = load_returned_at(p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + jr.row_local);
+    trace_probe[1] = load_returned_at(p.schedule.partial_lse + int64_t(jr.row_local) * p.schedule.lse_stride + jr.unit.slot_begin);
   }
 #endif
   for (int job = first_job; job * rows_per_job < rows; job += int(gridDim.x)) {
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       const float* lse_k = nullptr;
       const typename Quad<Partial>::Raw* base = nullptr;
       if (valid) {
-        lse_k = p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local;
+        lse_k = p.schedule.partial_lse + int64_t(row_local) * p.schedule.lse_stride + jr.unit.slot_begin;
         base = reinterpret_cast<const typename Quad<Partial>::Raw*>(
             static_cast<const Partial*>(p.schedule.partial_out) +
             (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       float lse = -INFINITY;
       if (valid) {
         const int n = jr.unit.num_pieces;
-        const float* lse_k = p.schedule.partial_lse + int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local;
+        const float* lse_k = p.schedule.partial_lse + int64_t(row_local) * p.schedule.lse_stride + jr.unit.slot_begin;
         const auto* base = reinterpret_cast<const typename Quad<Partial>::Raw*>(
             static_cast<const Partial*>(p.schedule.partial_out) +
             (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);

@@ -331,6 +331,7 @@ void mla_decode(const MlaDecodeArgs& args, Stream stream) {
     p.schedule.part_begin = reinterpret_cast<const int*>(ws + s.part_begin_offset);
     p.schedule.split_units = reinterpret_cast<const SplitUnit*>(ws + s.split_units_offset);
     p.schedule.partial_lse = reinterpret_cast<float*>(ws + s.partial_lse_offset);
+    p.schedule.lse_stride = s.max_slots;
     p.schedule.partial_out = ws + s.partial_out_offset;
     p.schedule.num_parts = s.num_parts;
     p.schedule.split_keys = s.split_keys;

@@ -91,11 +91,14 @@ struct ScheduleView {
   const WorkItem* items;           // [max_items]
   const int* part_begin;           // [num_parts + 1]
   const SplitUnit* split_units;    // [max_split_units]
-  float* partial_lse;              // [max_slots, kMaxBlockM] natural-log LSE of each piece's rows
+  float* partial_lse;              // [kMaxBlockM, lse_stride] natural-log LSE of each piece's rows:
+                                   // row rl of slot s at rl * lse_stride + s, so that a row's pieces
+                                   // (consecutive slots) are consecutive words for the combine
   void* partial_out;               // [max_slots, kMaxBlockM, 512] normalised output of each piece,
                                    // in the output's dtype (partial_elem_bytes)
   int num_parts;
   int split_keys;                  // > 0: a deterministic schedule's (the combine's order)
+  int lse_stride;                  // the workspace's slots (max_slots)
 };
 
 // The batch layout, read on the device by the plan and by the decode kernels alike, so that both
