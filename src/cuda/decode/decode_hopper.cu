@@ -71,6 +71,8 @@
 //   v10 the 64-row fp8 converter: row addresses once a group, each word's upper fp8 pair
 //       converted in place (H200: 128 h B 128 kv 4k fp8 407.6 -> 386.8 µs; fp16 query 382.4 ->
 //       366.1, 360.1 with the row addresses alone, before the spill that cost it was removed).
+//   v11 the narrow consumers store a row's staged values a quad of columns a thread (H200: 16 h
+//       B 16 kv 4k 39.4 -> 38.8 µs, B 1 kv 4k 16.9 -> 16.6).
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
 //   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, pages below 16 tokens
 //   loaded by WG0 with cp.async (slower than the portable kernel; decode-kernel.md), an item's first tiles
