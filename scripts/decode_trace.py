@@ -81,6 +81,10 @@ def report(call):
             print(f"  {len(busy)} CTAs with work: first S {firsts[0]:.1f} / {firsts[len(firsts) // 2]:.1f} / "
                   f"{firsts[-1]:.1f}, end {ends[0]:.1f} / {ends[len(ends) // 2]:.1f} / {ends[-1]:.1f} us "
                   f"(min / median / max)")
+            # The call ends with its slowest CTA: from the mean end to the last is what a schedule
+            # that moved work from slow CTAs to fast ones at run time could save at most.
+            mean_end = sum(ends) / len(ends)
+            print(f"  end spread: mean {mean_end:.1f} us, last - mean {ends[-1] - mean_end:.1f} us")
             for c, t0, s, sums, end, sm, work, item, g0, issued in busy[-5:]:
                 where = f" sm {sm:3d}" if sm >= 0 else ""
                 start = (f" work {us(work):.1f} item {us(item):.1f} g0 {us(g0):.1f} issued {us(issued):.1f}"
