@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       return v == 0x5a5a5a5au ? 1ull : globaltimer_ns();
     };
     trace_probe[0] = load_returned_at(&p.schedule.header->magic);
-    trace_probe[1] = load_returned_at(p.schedule.partial_lse + int64_t(jr.row_local) * p.schedule.lse_stride + jr.unit.slot_begin);
+    trace_probe[1] = load_returned_at(p.schedule.lse_at(jr.unit.slot_begin, jr.row_local));
   }
 #endif
   for (int job = first_job; job * rows_per_job < rows; job += int(gridDim.x)) {
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       const float* lse_k = nullptr;
       const typename Quad<Partial>::Raw* base = nullptr;
       if (valid) {
-        lse_k = p.schedule.partial_lse + int64_t(row_local) * p.schedule.lse_stride + jr.unit.slot_begin;
+        lse_k = p.schedule.lse_at(jr.unit.slot_begin, row_local);
         base = reinterpret_cast<const typename Quad<Partial>::Raw*>(
             static_cast<const Partial*>(p.schedule.partial_out) +
             (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);
@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
       float lse = -INFINITY;
       if (valid) {
         const int n = jr.unit.num_pieces;
-        const float* lse_k = p.schedule.partial_lse + int64_t(row_local) * p.schedule.lse_stride + jr.unit.slot_begin;
+        const float* lse_k = p.schedule.lse_at(jr.unit.slot_begin, row_local);
         const auto* base = reinterpret_cast<const typename Quad<Partial>::Raw*>(
             static_cast<const Partial*>(p.schedule.partial_out) +
             (int64_t(jr.unit.slot_begin) * kMaxBlockM + row_local) * kValueDim);

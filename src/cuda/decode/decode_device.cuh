@@ -249,7 +249,7 @@ __device__ __forceinline__ RowDst row_dst(const DecodeParams& p, int slot, const
   if (slot >= 0) {
     const int64_t slot_row = int64_t(slot) * kMaxBlockM + rl;
     return {static_cast<char*>(p.schedule.partial_out) + slot_row * kValueDim * partial_elem_bytes(p.out_dtype),
-            p.schedule.partial_lse + int64_t(rl) * p.schedule.lse_stride + slot};
+            p.schedule.lse_at(slot, rl)};
   }
   const int row = r.row0 + rl;
   const int64_t token = r.g.q_start + row / p.layout.num_heads;

@@ -99,6 +99,11 @@ struct ScheduleView {
   int num_parts;
   int split_keys;                  // > 0: a deterministic schedule's (the combine's order)
   int lse_stride;                  // the workspace's slots (max_slots)
+
+  // Row rl's LSE of the piece in `slot`.
+  __host__ __device__ float* lse_at(int slot, int rl) const {
+    return partial_lse + int64_t(rl) * lse_stride + slot;
+  }
 };
 
 // The batch layout, read on the device by the plan and by the decode kernels alike, so that both
