@@ -4,6 +4,8 @@
 // O^T = V^T P^T (A = the same box read MN-major as V^T, B = P, K-major), for bf16 and fp16, over
 // one 64-wide box (four k16 steps). The fragment layout is checked element by element, so a
 // wrong descriptor, major-ness or register order fails here before any kernel uses the shapes.
+// Also the bounded mbarrier wait (mbar_wait_at_most): it gives up on a phase that does not
+// complete, and returns at once on one that has.
 #include <gtest/gtest.h>
 
 #include <cuda_bf16.h>
@@ -118,6 +120,49 @@ void run_narrow_mma(DType dtype, float (*to_float)(T), T (*from_float)(float)) {
   EXPECT_EQ(bad, 0);
 }
 
+__device__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Thread 0 waits at most 4 x 500 ns for a phase nobody has completed yet, records how long that
+// took and whether the phase was complete when it returned, then waits (unbounded) for warp 1,
+// which arrives 2 ms after the start, and waits at most ~0.5 s more on the completed phase. out:
+// [0] the first wait's ns, [1] 1 if the phase was complete after it, [2] the last wait's ns.
+__global__ void wait_at_most_kernel(unsigned long long* out) {
+#if defined(MLA_SM90A_DEVICE)
+  using namespace mla::cuda::sm90;
+  __shared__ uint64_t bar;
+  if (threadIdx.x == 0) {
+    mbar_init(&bar, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const unsigned long long start = now_ns();
+  if (threadIdx.x == 0) {
+    mbar_wait_at_most(&bar, 0, 500u, 4);
+    const unsigned long long gave_up = now_ns();
+    uint32_t complete;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], 0;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(complete)
+        : "r"(smem_u32(&bar))
+        : "memory");
+    out[0] = gave_up - start;
+    out[1] = complete;
+    mbar_wait(&bar, 0);
+    const unsigned long long t = now_ns();
+    mbar_wait_at_most(&bar, 0, 500u, 1 << 20);
+    out[2] = now_ns() - t;
+  } else if (threadIdx.x == 32) {
+    while (now_ns() - start < 2000000ull) {
+    }
+    mbar_arrive(&bar);
+  }
+#endif
+}
+
 float bf16_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __nv_bfloat16 float_to_bf16(float x) { return __float2bfloat16(x); }
 float half_to_float(__half x) { return __half2float(x); }
@@ -136,6 +181,25 @@ TEST(GpuWgmma, NarrowShapesMatchTheHostProduct) {
     SCOPED_TRACE("fp16");
     run_narrow_mma<__half>(DType::kFP16, half_to_float, float_to_half);
   }
+#endif
+}
+
+TEST(GpuHopperBarriers, WaitAtMostGivesUpThenReturnsOnCompletion) {
+  MLA_REQUIRE_HOPPER();
+#if defined(MLA_TEST_EXPECT_HOPPER)
+  unsigned long long* out = nullptr;
+  MLA_TEST_CUDA(cudaMalloc(&out, 3 * sizeof(unsigned long long)));
+  MLA_TEST_CUDA(cudaMemset(out, 0xff, 3 * sizeof(unsigned long long)));
+  wait_at_most_kernel<<<1, 64>>>(out);
+  MLA_TEST_CUDA(cudaGetLastError());
+  MLA_TEST_CUDA(cudaDeviceSynchronize());
+  unsigned long long host[3];
+  MLA_TEST_CUDA(cudaMemcpy(host, out, sizeof(host), cudaMemcpyDeviceToHost));
+  MLA_TEST_CUDA(cudaFree(out));
+  // Gave up well before the arrival at 2 ms, on a phase still open; returned at once once it closed.
+  EXPECT_LT(host[0], 1000000ull) << "ns in the bounded wait on an open phase";
+  EXPECT_EQ(host[1], 0ull) << "the phase was complete when the bounded wait returned";
+  EXPECT_LT(host[2], 100000ull) << "ns in the bounded wait on a completed phase";
 #endif
 }
 

@@ -204,6 +204,26 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// Waits until that phase has completed, or for about tries x hint_ns nanoseconds at most (each try
+// suspends the thread for up to hint_ns): a wait that may give up.
+__device__ __forceinline__ void mbar_wait_at_most(uint64_t* bar, uint32_t parity, uint32_t hint_ns, int tries) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      ".reg .b32 left;\n"
+      "mov.b32 left, %3;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+      "@done bra DONE_%=;\n"
+      "sub.s32 left, left, 1;\n"
+      "setp.gt.s32 done, left, 0;\n"
+      "@done bra WAIT_%=;\n"
+      "DONE_%=:\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity), "r"(hint_ns), "r"(tries)
+      : "memory");
+}
+
 // 2D TMA tile load into shared memory, completing on `bar` (coordinates: inner, outer).
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const void* tensor_map, uint64_t* bar,
                                             int c0, int c1, uint64_t cache_hint) {

@@ -73,6 +73,8 @@
 //       366.1, 360.1 with the row addresses alone, before the spill that cost it was removed).
 //   v11 the narrow consumers store a row's staged values a quad of columns a thread (H200: 16 h
 //       B 16 kv 4k 39.4 -> 38.8 µs, B 1 kv 4k 16.9 -> 16.6).
+//   v12 a CTA's first tile of each stage lands before the stage's next tile is asked of L2 (at
+//       most 4 us, where other row tiles read the keys; H100: 128 h B 1 kv 16k 27.8 -> 26.4 µs).
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
 //   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, pages below 16 tokens
 //   loaded by WG0 with cp.async (slower than the portable kernel; decode-kernel.md), an item's first tiles
@@ -83,7 +85,10 @@
 //   and on 4 warps with thread 0 loading ahead (+43 %), and its loads pipelined in half groups
 //   (+18 %, fp16 query +34 %); for requests of at most 16 rows, one cluster of up to 16 CTAs a
 //   request merging its shares in distributed shared memory instead of partial slots and the
-//   combine (H100: 16 h B 1 kv 4k 18.0 -> 22.9 µs; one CTA streams ~1.5 µs a further tile).
+//   combine (H100: 16 h B 1 kv 4k 18.0 -> 22.9 µs; one CTA streams ~1.5 µs a further tile); dry
+//   runs of the once-per-item code before it is needed (the narrow epilogue by the idle WG2, the
+//   64-row epilogue before the first item, the combine's first job before its wait), to have it
+//   in the instruction cache: no phase moved, 128 h B 1 +6.7 % (H100).
 #include "cuda/decode/decode_hopper.hpp"
 
 #include <cuda.h>
@@ -124,6 +129,21 @@ constexpr float kMaxSlack = float(MLA_DECODE_MAX_SLACK);
 #else
 constexpr float kMaxSlack = 8.0f;
 #endif
+// How long the producer of a stage waits at most for the first tile of its CTA's first item to
+// land before it asks L2 for the stage's next tile (run_producer; only where other row tiles read
+// the same keys, the prefetch's case): at batch 1 with 128 heads every CTA otherwise asks for its
+// first two tiles and their two prefetches at once, the whole cache, and the DRAM serves some
+// CTAs' first tiles after other CTAs' prefetches. 4 us (H100, same-call A/B against no wait: 128 h
+// B 1 kv 16k -4.9 %, graph -4.1 %; 2 us: -4.7 %; B 128 kv 4k and 16k, B 64 q 2 within +-0.5 %;
+// docs/perf-notes.md). A build with MLA_DECODE_FIRST_TILE_WAIT_NS=N in MLA_DECODE_KNOBS takes N
+// (0: no wait).
+#if defined(MLA_DECODE_FIRST_TILE_WAIT_NS)
+constexpr int kFirstTileWaitNs = MLA_DECODE_FIRST_TILE_WAIT_NS;
+#else
+constexpr int kFirstTileWaitNs = 4000;
+#endif
+constexpr uint32_t kFirstTileTryNs = 500;  // one try_wait's suspend-time hint
+static_assert(kFirstTileWaitNs >= 0 && kFirstTileWaitNs <= 100000, "MLA_DECODE_FIRST_TILE_WAIT_NS: 0 to 100 us");
 static_assert(kMaxSlack >= 0.0f && kMaxSlack <= 12.0f, "MLA_DECODE_MAX_SLACK: P = exp2(s - m) must stay far below "
               "fp16's largest value (65504 = 2^15.999)");
 
@@ -316,6 +336,12 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
       // The stage's next tile to L2, so that its load waits for L2 once the stage is released.
+      // The CTA's first item: the stage's first tile lands first (kFirstTileWaitNs at most), so
+      // that the DRAM, asked at once for every CTA's first tiles, is not also asked for their
+      // prefetches before it has served them.
+      if (kFirstTileWaitNs > 0 && prefetch && it == begin && t == stage)
+        mbar_wait_at_most(&full[group_order(stage, kGroups - 1)], phase, kFirstTileTryNs,
+                          (kFirstTileWaitNs + kFirstTileTryNs - 1) / kFirstTileTryNs);
       if (prefetch) prefetch_tile_l2(hp, item.request, key0 + 2 * kBlockN, r.kv_end);
       phase ^= 1;
     }
