@@ -75,6 +75,8 @@
 //       B 16 kv 4k 39.4 -> 38.8 µs, B 1 kv 4k 16.9 -> 16.6).
 //   v12 a CTA's first tile of each stage lands before the stage's next tile is asked of L2 (at
 //       most 4 us, where other row tiles read the keys; H100: 128 h B 1 kv 16k 27.8 -> 26.4 µs).
+//   v13 the narrow epilogue's row destinations and LSEs computed once a row, by one thread each
+//       (one copy of that code instead of eight: -6 KB; H100: 16 h B 1 kv 4k 17.2 -> 16.6 µs).
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
 //   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, pages below 16 tokens
 //   loaded by WG0 with cp.async (slower than the portable kernel; decode-kernel.md), an item's first tiles
@@ -1029,8 +1031,12 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
 namespace narrow {
 constexpr int kPBox = 2048;                  // offset of P^T inside box 0
 constexpr int kMaxX = 2 * kBoxBytes + 2048;  // row-max exchange
+// At the end of an item: [4 warps][16] row sums, [16] the rows' max, [16] the rows' destinations.
 constexpr int kSums = 8 * kBoxBytes + 128;
-static_assert(kMaxX + 64 * 4 <= 2 * kBoxBytes + raw::kOffset && kSums + 64 * 4 <= 8 * kBoxBytes + raw::kOffset &&
+constexpr int kRowMax = kSums + 64 * 4;
+constexpr int kRowOut = kRowMax + 16 * 4;
+static_assert(kMaxX + 64 * 4 <= 2 * kBoxBytes + raw::kOffset && kRowOut + 16 * 8 <= 8 * kBoxBytes + raw::kOffset &&
+                  kRowOut % 8 == 0 &&
                   2 * kValueDim * 4 <= raw::kOffset,
               "the narrow consumers' shared memory stays clear of the raw stage");
 __device__ __forceinline__ float* staged_row(uint8_t* sq, int rl) {
@@ -1215,10 +1221,15 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       l[x] += __shfl_xor_sync(0xffffffffu, l[x], 16);
     }
     float* sums = reinterpret_cast<float*>(sq + narrow::kSums);  // [4 warps][16]
+    float* row_max = reinterpret_cast<float*>(sq + narrow::kRowMax);  // (every warp has m)
+    void** row_out = reinterpret_cast<void**>(sq + narrow::kRowOut);
     named_sync(kBarLeft, 128);  // every warp is done with Q and the P box
     if (lane < 4) {
 #pragma unroll
-      for (int x = 0; x < 4; ++x) sums[warp * 16 + 8 * (x >> 1) + 2 * lane + (x & 1)] = l[x];  // narrow::row
+      for (int x = 0; x < 4; ++x) {
+        sums[warp * 16 + 8 * (x >> 1) + 2 * lane + (x & 1)] = l[x];  // narrow::row
+        if (warp == 0) row_max[8 * (x >> 1) + 2 * lane + (x & 1)] = m[x];
+      }
     }
     named_sync(kBarLeft, 128);
     float inv[4];
@@ -1227,10 +1238,14 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
       const int rl = narrow::row(x, lane);
       const float total = sums[rl] + sums[16 + rl] + sums[32 + rl] + sums[48 + rl];
       inv[x] = total > 0.0f ? p.out_scale / total : 0.0f;
-      if (warp == 0 && lane < 4 && rl < r.valid_rows) {
-        float* lse = row_dst(p, item.slot, r, rl).lse;
-        if (lse != nullptr) *lse = row_lse(m[x], total);
-      }
+    }
+    // Row wt's destination and LSE by thread wt: one copy of the address and log code, not one
+    // for each of a thread's four rows and of the store loop's unrolled rows (it runs once per
+    // item, from a cold instruction cache).
+    if (wt < r.valid_rows) {
+      const RowDst dst = row_dst(p, item.slot, r, wt);
+      row_out[wt] = dst.out;
+      if (dst.lse != nullptr) *dst.lse = row_lse(row_max[wt], sums[wt] + sums[16 + wt] + sums[32 + wt] + sums[48 + wt]);
     }
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
@@ -1247,7 +1262,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
 #pragma unroll 4
     for (int rl = 0; rl < r.valid_rows; ++rl) {
       const float4 v = reinterpret_cast<const float4*>(narrow::staged_row(sq, rl))[wt];
-      narrow::store_quad(p, kind, row_dst(p, item.slot, r, rl).out, 4 * wt, v);
+      narrow::store_quad(p, kind, row_out[rl], 4 * wt, v);
     }
     if (wt == 0) MLA_DECODE_STAMP(kTraceStoredL);
   }
