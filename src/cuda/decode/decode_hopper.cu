@@ -313,27 +313,38 @@ constexpr int kOffset = 4096;
 constexpr int kRowBytes = 64;
 }  // namespace raw
 
-// The producer of one stage: walks the CTA's items and loads the tiles t with t % 2 == stage.
-__device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, int begin, int end,
-                             int lane_of_cta) {
+// A producer thread: walks the CTA's items and loads their tiles, each group as soon as it is
+// released. kRaw = false: the producer of one 16-bit stage, the tiles t with t % 2 == stage, and
+// where other row tiles read the same keys the stage's next tile asked of L2 after each tile.
+// kRaw = true: an fp8 cache's narrow tiles (thread 0), every tile into the raw stage, no L2
+// prefetch: with it (the tiles one and two ahead) the 16-head rows were 0.2-1.8 % slower, four
+// ahead 2-10 % (docs/perf-notes.md); the converter releasing each group as soon as it has read it
+// is what keeps the bytes in flight.
+template <bool kRaw>
+__device__ __forceinline__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, int begin, int end,
+                                             int lane_of_cta) {
   const DecodeParams& p = hp.p;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::full) + stage * kGroups;
-  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::empty) + stage * kGroups;
-  uint8_t* tile = smem + SmemLayout::k + stage * kTileBytes;
+  constexpr int kStep = kRaw ? 1 : 2;  // tiles a stage
+  constexpr int kRowBytes = kRaw ? raw::kRowBytes : 128;
+  uint64_t* full = kRaw ? reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full)
+                        : reinterpret_cast<uint64_t*>(smem + SmemLayout::full) + stage * kGroups;
+  uint64_t* empty = kRaw ? reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty)
+                         : reinterpret_cast<uint64_t*>(smem + SmemLayout::empty) + stage * kGroups;
+  uint8_t* tile = kRaw ? smem + SmemLayout::q + raw::kOffset : smem + SmemLayout::k + stage * kTileBytes;
   prefetch_tensor_map(&hp.kv_map);
   uint32_t phase = 0;
   for (int it = begin; it < end; ++it) {
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
-    const bool prefetch = keys_shared(hp, r);
-    for (int t = stage; t < r.num_tiles; t += 2) {
+    const bool prefetch = !kRaw && keys_shared(hp, r);
+    for (int t = stage; t < r.num_tiles; t += kStep) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);
       for (int i = 0; i < kGroups; ++i) {
         const int g = group_order(stage, i);
         mbar_wait(&empty[g], phase ^ 1);
-        issue_group(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g], 128);
+        issue_group(hp, item.request, key0, r.kv_end, row0, tile, g, &full[g], kRowBytes);
         if (stage == 0 && i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
       }
       if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceIssued);
@@ -345,36 +356,6 @@ __device__ void run_producer(const HopperParams& hp, uint8_t* smem, int stage, i
         mbar_wait_at_most(&full[group_order(stage, kGroups - 1)], phase, kFirstTileTryNs,
                           (kFirstTileWaitNs + kFirstTileTryNs - 1) / kFirstTileTryNs);
       if (prefetch) prefetch_tile_l2(hp, item.request, key0 + 2 * kBlockN, r.kv_end);
-      phase ^= 1;
-    }
-  }
-}
-
-// An fp8 cache's producer (thread 0): every tile of the CTA's items into the raw stage, group by
-// group as the converter releases it. No L2 prefetch: with it (the tiles one and two ahead) the
-// 16-head rows were 0.2-1.8 % slower, four ahead 2-10 % (docs/perf-notes.md); the converter
-// releasing each group as soon as it has read it is what keeps the bytes in flight.
-__device__ void run_raw_producer(const HopperParams& hp, uint8_t* smem, int begin, int end, int lane_of_cta) {
-  const DecodeParams& p = hp.p;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_full);
-  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + SmemLayout::raw_empty);
-  uint8_t* stage = smem + SmemLayout::q + raw::kOffset;
-  prefetch_tensor_map(&hp.kv_map);
-  uint32_t phase = 0;
-  for (int it = begin; it < end; ++it) {
-    const WorkItem item = fetch_item(p, it, lane_of_cta);
-    const ItemRange r = item_range(p.layout, item, hp.block_m);
-    MLA_DECODE_STAMP_FIRST(kTraceItem);
-    for (int t = 0; t < r.num_tiles; ++t) {
-      const int key0 = r.kv_begin + t * kBlockN;
-      const int row0 = box_row(hp, item.request, key0, r.kv_end);
-      for (int i = 0; i < kGroups; ++i) {
-        const int g = group_order(0, i);
-        mbar_wait(&empty[g], phase ^ 1);
-        issue_group(hp, item.request, key0, r.kv_end, row0, stage, g, &full[g], raw::kRowBytes);
-        if (i < 2) MLA_DECODE_STAMP_FIRST(kTraceGroup + i);
-      }
-      MLA_DECODE_STAMP_FIRST(kTraceIssued);
       phase ^= 1;
     }
   }
@@ -1439,11 +1420,11 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     } else if constexpr (kFp8) {
       if (threadIdx.x == 0) {
         cta_work(p, hp.block_m, &begin, &end, &lane);
-        run_raw_producer(hp, smem, begin, end, lane);
+        run_producer<true>(hp, smem, 0, begin, end, lane);
       }
     } else if (threadIdx.x == 0 || threadIdx.x == 32) {
       if constexpr (kNarrow) cta_work(p, hp.block_m, &begin, &end, &lane);  // see run_narrow_consumer
-      run_producer(hp, smem, threadIdx.x >> 5, begin, end, lane);
+      run_producer<false>(hp, smem, threadIdx.x >> 5, begin, end, lane);
     }
   } else {
     setmaxnreg_inc<kNarrow || kFp8 ? 224 : 232>();
