@@ -1006,8 +1006,9 @@ __device__ void run_consumer(const HopperParams& hp, uint8_t* smem, int begin, i
 //
 // Shared memory inside the Q region (Q uses the first 16 rows, 2 KB, of each of its 9 boxes):
 // P^T at box 0 + 2 KB; the row-max exchange (4 warps x 16 rows) at box 2 + 2 KB; at the end of an
-// item the warps' row sums at box 8 + 128 and the rows' output staged in the first 4 KB of boxes
-// 0-7 (rows 2b and 2b + 1 of [16][512] fp32 in box b). The second half of each box stays free
+// item the warps' row sums, the rows' max and their destinations from box 8 + 128 (kSums), and the
+// rows' output staged in the first 4 KB of boxes 0-7 (rows 2b and 2b + 1 of [16][512] fp32 in box
+// b). The second half of each box stays free
 // for an fp8 cache's raw stage (raw::kOffset), which the next item's tiles may fill meanwhile.
 namespace narrow {
 constexpr int kPBox = 2048;                  // offset of P^T inside box 0
