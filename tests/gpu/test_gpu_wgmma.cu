@@ -20,6 +20,7 @@
 
 #if defined(MLA_TEST_EXPECT_HOPPER)
 #include "cuda/common/hopper.cuh"
+#include "cuda/common/trace.cuh"
 #endif
 
 namespace mla::test {
@@ -120,12 +121,6 @@ void run_narrow_mma(DType dtype, float (*to_float)(T), T (*from_float)(float)) {
   EXPECT_EQ(bad, 0);
 }
 
-__device__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Thread 0 waits at most 4 x 500 ns for a phase nobody has completed yet, records how long that
 // took and whether the phase was complete when it returned, then waits (unbounded) for warp 1,
 // which arrives 2 ms after the start, and waits at most ~0.5 s more on the completed phase. out:
@@ -139,10 +134,10 @@ __global__ void wait_at_most_kernel(unsigned long long* out) {
     mbar_init_fence();
   }
   __syncthreads();
-  const unsigned long long start = now_ns();
+  const unsigned long long start = mla::cuda::globaltimer_ns();
   if (threadIdx.x == 0) {
     mbar_wait_at_most(&bar, 0, 500u, 4);
-    const unsigned long long gave_up = now_ns();
+    const unsigned long long gave_up = mla::cuda::globaltimer_ns();
     uint32_t complete;
     asm volatile(
         "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], 0;\nselp.u32 %0, 1, 0, p;\n}\n"
@@ -152,11 +147,11 @@ __global__ void wait_at_most_kernel(unsigned long long* out) {
     out[0] = gave_up - start;
     out[1] = complete;
     mbar_wait(&bar, 0);
-    const unsigned long long t = now_ns();
+    const unsigned long long t = mla::cuda::globaltimer_ns();
     mbar_wait_at_most(&bar, 0, 500u, 1 << 20);
-    out[2] = now_ns() - t;
+    out[2] = mla::cuda::globaltimer_ns() - t;
   } else if (threadIdx.x == 32) {
-    while (now_ns() - start < 2000000ull) {
+    while (mla::cuda::globaltimer_ns() - start < 2000000ull) {
     }
     mbar_arrive(&bar);
   }

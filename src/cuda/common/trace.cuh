@@ -3,11 +3,8 @@
 // points. The plan prints its stamps when it ends; the decode kernel stores six CTAs' stamps in a
 // buffer (DecodeParams::trace) that the combine's first CTA prints, with its own, when it ends (a
 // kernel that prints completes tens of microseconds later, which would delay the combine's
-// wait). Off by default: nothing here is compiled into a normal build.
+// wait). Off by default: nothing but the clock below is compiled into a normal build.
 #pragma once
-
-#if (defined(MLA_PLAN_TRACE) && MLA_PLAN_TRACE) || (defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE)
-#include <cstdio>  // the traces' printf
 
 namespace mla::cuda {
 
@@ -17,6 +14,13 @@ __device__ __forceinline__ unsigned long long globaltimer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+
+}  // namespace mla::cuda
+
+#if (defined(MLA_PLAN_TRACE) && MLA_PLAN_TRACE) || (defined(MLA_DECODE_TRACE) && MLA_DECODE_TRACE)
+#include <cstdio>  // the traces' printf
+
+namespace mla::cuda {
 
 // The decode trace buffer: kDecodeTraceCtas records of kDecodeTraceWords words (a record's word 0
 // is its CTA's entry time, 0 when the record is empty; the last three are the CTA, its first item

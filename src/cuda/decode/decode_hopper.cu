@@ -145,6 +145,7 @@ constexpr int kFirstTileWaitNs = MLA_DECODE_FIRST_TILE_WAIT_NS;
 constexpr int kFirstTileWaitNs = 4000;
 #endif
 constexpr uint32_t kFirstTileTryNs = 500;  // one try_wait's suspend-time hint
+constexpr int kFirstTileTries = (kFirstTileWaitNs + int(kFirstTileTryNs) - 1) / int(kFirstTileTryNs);
 static_assert(kFirstTileWaitNs >= 0 && kFirstTileWaitNs <= 100000, "MLA_DECODE_FIRST_TILE_WAIT_NS: 0 to 100 us");
 static_assert(kMaxSlack >= 0.0f && kMaxSlack <= 12.0f, "MLA_DECODE_MAX_SLACK: P = exp2(s - m) must stay far below "
               "fp16's largest value (65504 = 2^15.999)");
@@ -353,8 +354,7 @@ __device__ __forceinline__ void run_producer(const HopperParams& hp, uint8_t* sm
       // that the DRAM, asked at once for every CTA's first tiles, is not also asked for their
       // prefetches before it has served them.
       if (kFirstTileWaitNs > 0 && prefetch && it == begin && t == stage)
-        mbar_wait_at_most(&full[group_order(stage, kGroups - 1)], phase, kFirstTileTryNs,
-                          (kFirstTileWaitNs + kFirstTileTryNs - 1) / kFirstTileTryNs);
+        mbar_wait_at_most(&full[group_order(stage, kGroups - 1)], phase, kFirstTileTryNs, kFirstTileTries);
       if (prefetch) prefetch_tile_l2(hp, item.request, key0 + 2 * kBlockN, r.kv_end);
       phase ^= 1;
     }
@@ -1209,16 +1209,17 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     if (lane < 4) {
 #pragma unroll
       for (int x = 0; x < 4; ++x) {
-        sums[warp * 16 + 8 * (x >> 1) + 2 * lane + (x & 1)] = l[x];  // narrow::row
-        if (warp == 0) row_max[8 * (x >> 1) + 2 * lane + (x & 1)] = m[x];
+        const int rl = 8 * (x >> 1) + 2 * lane + (x & 1);  // narrow::row (lane < 4)
+        sums[warp * 16 + rl] = l[x];
+        if (warp == 0) row_max[rl] = m[x];
       }
     }
     named_sync(kBarLeft, 128);
+    const auto row_total = [&](int rl) { return sums[rl] + sums[16 + rl] + sums[32 + rl] + sums[48 + rl]; };
     float inv[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const int rl = narrow::row(x, lane);
-      const float total = sums[rl] + sums[16 + rl] + sums[32 + rl] + sums[48 + rl];
+      const float total = row_total(narrow::row(x, lane));
       inv[x] = total > 0.0f ? p.out_scale / total : 0.0f;
     }
     // Row wt's destination and LSE by thread wt: one copy of the address and log code, not one
@@ -1227,7 +1228,7 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     if (wt < r.valid_rows) {
       const RowDst dst = row_dst(p, item.slot, r, wt);
       row_out[wt] = dst.out;
-      if (dst.lse != nullptr) *dst.lse = row_lse(row_max[wt], sums[wt] + sums[16 + wt] + sums[32 + wt] + sums[48 + wt]);
+      if (dst.lse != nullptr) *dst.lse = row_lse(row_max[wt], row_total(wt));
     }
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
