@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/common/fp8.cuh"
 #include "cuda/common/warp_mma.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/prefill/prefill_params.cuh"
@@ -99,21 +100,6 @@ __device__ __forceinline__ void copy_tile_async(void* smem, const void* gmem, in
   }
 }
 
-// 16 fp8 e4m3 values (one uint4) -> 16 fp16 values (two uint4).
-__device__ __forceinline__ void fp8x16_to_half(const uint4& in, uint4& lo, uint4& hi) {
-  const uint32_t w[4] = {in.x, in.y, in.z, in.w};
-  uint32_t h[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[i] & 0xffffu), __NV_E4M3);
-    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[i] >> 16), __NV_E4M3);
-    h[2 * i] = uint32_t(a.x) | (uint32_t(a.y) << 16);
-    h[2 * i + 1] = uint32_t(b.x) | (uint32_t(b.y) << 16);
-  }
-  lo = make_uint4(h[0], h[1], h[2], h[3]);
-  hi = make_uint4(h[4], h[5], h[6], h[7]);
-}
-
 // Converts a dense raw fp8 (kRows, kCols) tile in shared memory into a padded fp16 tile.
 template <int kRows, int kCols, int kDstRowElems>
 __device__ __forceinline__ void convert_fp8_tile(__half* dst, const uint8_t* raw) {
@@ -125,7 +111,7 @@ __device__ __forceinline__ void convert_fp8_tile(__half* dst, const uint8_t* raw
     const int i = int(threadIdx.x) + it * PrefillConfig::kThreads;
     const int r = i / kChunksPerRow, c = i % kChunksPerRow;
     uint4 lo, hi;
-    fp8x16_to_half(*reinterpret_cast<const uint4*>(raw + r * kCols + c * 16), lo, hi);
+    fp8x16_to<__half>(*reinterpret_cast<const uint4*>(raw + r * kCols + c * 16), lo, hi);
     auto* d = reinterpret_cast<uint4*>(dst + r * kDstRowElems + c * 16);
     d[0] = lo;
     d[1] = hi;
@@ -146,7 +132,7 @@ __device__ __forceinline__ void load_q_fp8(__half* sQ, const uint8_t* gQ, int64_
     uint4 raw = make_uint4(0, 0, 0, 0);
     if (r < rows_valid) raw = __ldg(reinterpret_cast<const uint4*>(gQ + r * row_bytes + c * 16));
     uint4 lo, hi;
-    fp8x16_to_half(raw, lo, hi);
+    fp8x16_to<__half>(raw, lo, hi);
     auto* d = reinterpret_cast<uint4*>(sQ + r * C::kQKRowElems + c * 16);
     d[0] = lo;
     d[1] = hi;
