@@ -1474,6 +1474,45 @@ TEST(GpuDecodeHopper, TwoRowTilesOfATokenOverTheSameKeys) {
   check_case(f);
 }
 
+// One plan over several calls, as an engine runs a step's layers, with the kernel alternating and
+// new queries, cache and block table before every call: each call's combine must read only its
+// own decode kernel's pieces (at batch 1 the combine's CTAs start on the SMs the decode grid leaves
+// idle, long before that grid ends), whichever kernel wrote the pieces of the call before.
+TEST(GpuDecodeHopper, OnePlanOverLayersAndKernels) {
+  MLA_REQUIRE_HOPPER();
+  int seed = 29000;
+  for (const int heads : {16, 128}) {
+    const DecodeCase c = fixed(heads, 64, heads == 16 ? std::vector<int>{4000} : std::vector<int>{9000, 3, 700});
+    const DecodeData d0 = make_data(c);
+    DeviceData dev(d0);
+    MlaDecodeArgs a = dev.args(d0);
+    OwnedSchedule sched(c.batch(), 1, heads);
+    plan_for(sched.schedule, a, c, nullptr);
+    a.schedule = &sched.schedule;
+    const DecodeKernel kernels[] = {DecodeKernel::kHopper, DecodeKernel::kPortable, DecodeKernel::kHopper,
+                                    DecodeKernel::kHopper};
+    for (int call = 0; call < 4; ++call) {
+      DecodeCase cc = c;
+      cc.seed = uint64_t(seed++);
+      cc.kernel = kernels[call];
+      const DecodeData d = make_data(cc);
+      dev.q.upload(d.q_buf);
+      dev.cache.upload(d.cache);
+      dev.bt.upload(d.block_table);
+      dev.out.upload(d.out_buf);  // NaN
+      dev.lse.upload(d.lse_buf);
+      a.kernel = cc.kernel;
+      mla_decode(a);
+      MLA_TEST_CUDA(cudaDeviceSynchronize());
+      HostTensor out = d.out_buf, lse = d.lse_buf;
+      dev.out.download(out);
+      dev.lse.download(lse);
+      SCOPED_TRACE(describe(cc) + ", call " + std::to_string(call));
+      expect_matches(d, gather(d, out, lse), reference(d));
+    }
+  }
+}
+
 // Small enough for the race checker: an fp8 cache on the narrow consumers, pages of 32, split
 // keys over a few CTAs (item changes with the raw stage in flight).
 TEST(GpuDecodeHopper, Fp8CacheSmall) {

@@ -204,51 +204,6 @@ __device__ __forceinline__ JobRow job_row(const DecodeParams& p, int gr, int row
   return jr;
 }
 
-__device__ __forceinline__ void store_out4(const DecodeParams& p, void* row_base, int col,
-                                           const float4& v) {
-  switch (p.out_dtype) {
-    case kOutBF16: {
-      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(row_base) + col;
-      if (p.out_pair_ok) {
-        reinterpret_cast<__nv_bfloat162*>(o)[0] = __floats2bfloat162_rn(v.x, v.y);
-        reinterpret_cast<__nv_bfloat162*>(o)[1] = __floats2bfloat162_rn(v.z, v.w);
-      } else {
-        o[0] = __float2bfloat16_rn(v.x);
-        o[1] = __float2bfloat16_rn(v.y);
-        o[2] = __float2bfloat16_rn(v.z);
-        o[3] = __float2bfloat16_rn(v.w);
-      }
-      break;
-    }
-    case kOutFP16: {
-      __half* o = static_cast<__half*>(row_base) + col;
-      if (p.out_pair_ok) {
-        reinterpret_cast<__half2*>(o)[0] = __floats2half2_rn(v.x, v.y);
-        reinterpret_cast<__half2*>(o)[1] = __floats2half2_rn(v.z, v.w);
-      } else {
-        o[0] = __float2half_rn(v.x);
-        o[1] = __float2half_rn(v.y);
-        o[2] = __float2half_rn(v.z);
-        o[3] = __float2half_rn(v.w);
-      }
-      break;
-    }
-    default: {
-      float* o = static_cast<float*>(row_base) + col;
-      if (p.out_pair_ok) {
-        reinterpret_cast<float2*>(o)[0] = make_float2(v.x, v.y);
-        reinterpret_cast<float2*>(o)[1] = make_float2(v.z, v.w);
-      } else {
-        o[0] = v.x;
-        o[1] = v.y;
-        o[2] = v.z;
-        o[3] = v.w;
-      }
-      break;
-    }
-  }
-}
-
 // Partial: the pieces' stored dtype, the output's (partial_elem_bytes).
 // kOrdered (a deterministic plan's, ScheduleHeader::split_keys > 0): a row's pieces are added in
 // groups of four consecutive pieces, the groups' sums in key order, whatever the warps a row
@@ -381,7 +336,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
 #pragma unroll 1
             for (int other = 1; other < in_round; ++other) add4(sum, partial[first + other][lane][i]);
             if (last)
-              store_out4(p, out_row(p, token, head), 4 * (lane + 32 * i), sum);
+              store_out_quad(p, out_kind(p, false), out_row(p, token, head), 4 * (lane + 32 * i), sum);
             else
               running[lane][i] = sum;
           }
@@ -437,7 +392,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, kMinCtasPerSm)
           float4 sum = partial[first][lane][i];
 #pragma unroll 1
           for (int other = 1; other < w; ++other) add4(sum, partial[first + other][lane][i]);
-          store_out4(p, row_base, 4 * (lane + 32 * i), sum);
+          store_out_quad(p, out_kind(p, false), row_base, 4 * (lane + 32 * i), sum);
         }
         if (p.lse != nullptr && j == 0 && lane == 0) p.lse[token * p.lse_stride_t + head * p.lse_stride_h] = lse;
         MLA_COMBINE_STAMP(4);

@@ -83,6 +83,24 @@ __device__ __forceinline__ int out_kind(const DecodeParams& p, bool partial) {
   return p.out_dtype == kOutBF16 ? 1 : p.out_dtype == kOutFP16 ? 2 : 0;
 }
 
+// Values col .. col + 3 of an output or partial row (col a multiple of 4) stored as `kind`
+// (out_kind): one 8-byte store of a 16-bit row, two of an fp32 one, else element by element.
+__device__ __forceinline__ void store_out_quad(const DecodeParams& p, int kind, void* row_base, int col,
+                                               const float4& v) {
+  if (kind == 1 || kind == 2) {
+    const uint2 q = kind == 1 ? make_uint2(pack2<__nv_bfloat16>(v.x, v.y), pack2<__nv_bfloat16>(v.z, v.w))
+                              : make_uint2(pack2<__half>(v.x, v.y), pack2<__half>(v.z, v.w));
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(row_base) + col) = q;
+  } else if (kind == 0) {
+    float2* dst = reinterpret_cast<float2*>(static_cast<float*>(row_base) + col);
+    dst[0] = make_float2(v.x, v.y);
+    dst[1] = make_float2(v.z, v.w);
+  } else {
+    store_out_pair(p, row_base, col, v.x, v.y);
+    store_out_pair(p, row_base, col + 2, v.z, v.w);
+  }
+}
+
 // Pairs n and n + 1 of a 16-bit row (packed pa, pb; columns col + 8 n, col + 8 n + 8, where col
 // is the quad's first column + 2 (lane % 4), the first column a multiple of 4: 0 or 256 in the
 // Hopper kernel, a multiple of 64 in the portable one) as one 8-byte store a lane: the quad's 16

@@ -1028,23 +1028,6 @@ __device__ __forceinline__ float* staged_row(uint8_t* sq, int rl) {
 // x = 2 j + e among its four query rows, and the tile row (the block's column) of slot x.
 __device__ __forceinline__ int slot(int i) { return 2 * ((i >> 2) & 1) + (i & 1); }
 __device__ __forceinline__ int row(int x, int lane) { return 8 * (x >> 1) + 2 * (lane & 3) + (x & 1); }
-// Values col .. col + 3 of an output or partial row (col a multiple of 4) stored as `kind`
-// (out_kind): one 8-byte store of a 16-bit row, two of an fp32 one, else element by element.
-__device__ __forceinline__ void store_quad(const DecodeParams& p, int kind, void* row_base, int col,
-                                           const float4& v) {
-  if (kind == 1 || kind == 2) {
-    const uint2 q = kind == 1 ? make_uint2(pack2<__nv_bfloat16>(v.x, v.y), pack2<__nv_bfloat16>(v.z, v.w))
-                              : make_uint2(pack2<__half>(v.x, v.y), pack2<__half>(v.z, v.w));
-    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(row_base) + col) = q;
-  } else if (kind == 0) {
-    float2* dst = reinterpret_cast<float2*>(static_cast<float*>(row_base) + col);
-    dst[0] = make_float2(v.x, v.y);
-    dst[1] = make_float2(v.z, v.w);
-  } else {
-    store_out_pair(p, row_base, col, v.x, v.y);
-    store_out_pair(p, row_base, col + 2, v.z, v.w);
-  }
-}
 }  // namespace narrow
 
 // kFp8: an fp8 cache, whose kernel also takes an fp8 query (converted as it loads).
@@ -1240,12 +1223,12 @@ __device__ __forceinline__ void run_narrow_consumer(const HopperParams& hp, uint
     named_sync(kBarLeft, 128);
     if (wt == 0) MLA_DECODE_STAMP(kTraceSums);
     // Row rl's 128 quads of columns: this thread's quad wt, one 16-byte shared load and one store
-    // a row (narrow::store_quad), a few rows in flight.
+    // a row (store_out_quad), a few rows in flight.
     const int kind = out_kind(p, item.slot >= 0);
 #pragma unroll 4
     for (int rl = 0; rl < r.valid_rows; ++rl) {
       const float4 v = reinterpret_cast<const float4*>(narrow::staged_row(sq, rl))[wt];
-      narrow::store_quad(p, kind, row_out[rl], 4 * wt, v);
+      store_out_quad(p, kind, row_out[rl], 4 * wt, v);
     }
     if (wt == 0) MLA_DECODE_STAMP(kTraceStoredL);
   }
