@@ -553,6 +553,37 @@ TEST(MlaDecodeCpu, KeysARowMustNotSeeNeverReachIt) {
   }
 }
 
+TEST(MlaDecodeCpu, NanQueryRowGivesANanRow) {
+  // A NaN in one query row makes that row's output and LSE NaN (the GPU kernels and their combine
+  // do the same, GpuDecode.NanQueryRowIsNanInEveryKernelAndSplit); every other row is unchanged.
+  DecodeSetup s;
+  s.num_heads = 3;
+  s.kv_lens = {37, 20};
+  std::mt19937_64 rng(43);
+  const LogicalCache logical = random_logical_cache(s, rng);
+  std::mt19937_64 layout_a(44), layout_b(44);
+  auto clean = make_problem(s, logical, layout_a);
+  auto bad = make_problem(s, logical, layout_b);
+  const int64_t bad_row = 1;  // token 0, head 1
+  store_from_float(bad->args.q.data, bad->args.q.dtype, bad_row * bad->args.q.stride[1] + 5, kNaN);
+  run_and_check(*clean, s, "finite query");
+  ASSERT_NO_THROW(mla_decode(bad->args));
+  const std::vector<float> clean_out = gather_floats(clean->args.out), bad_out = gather_floats(bad->args.out);
+  const std::vector<float> clean_lse = gather_floats(clean->args.lse), bad_lse = gather_floats(bad->args.lse);
+  for (int64_t row = 0; row < 2 * s.num_heads; ++row) {
+    for (int64_t e = row * kKvLoraRank; e < (row + 1) * kKvLoraRank; ++e) {
+      if (row == bad_row)
+        ASSERT_TRUE(std::isnan(bad_out[size_t(e)])) << "element " << e - row * kKvLoraRank;
+      else
+        ASSERT_EQ(bad_out[size_t(e)], clean_out[size_t(e)]) << "row " << row;
+    }
+    if (row == bad_row)
+      EXPECT_TRUE(std::isnan(bad_lse[size_t(row)])) << bad_lse[size_t(row)];
+    else
+      EXPECT_EQ(bad_lse[size_t(row)], clean_lse[size_t(row)]) << "row " << row;
+  }
+}
+
 TEST(MlaDecodeCpu, EmptyBatchTouchesNothing) {
   // IDLE: no requests at all.
   HostTensor q(DType::kBF16, {0, 16, kLatentDim}), cache(DType::kBF16, {4, 16, kLatentDim});

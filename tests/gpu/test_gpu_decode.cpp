@@ -876,6 +876,49 @@ TEST(GpuDecode, PeakySoftmax) {
   check_case(c, /*both_modes=*/true);
 }
 
+// A NaN in one query row: that row's output and LSE are NaN whichever kernel, split and combine
+// run it (as in the CPU implementation), and every other row is right. Request 0 is split over
+// many CTAs with a schedule; request 1 is short.
+TEST(GpuDecode, NanQueryRowIsNanInEveryKernelAndSplit) {
+  MLA_REQUIRE_GPU();
+  for (const int heads : {16, 128}) {
+    DecodeCase c = fixed(heads, 64, {5000, 40});
+    c.seed = uint64_t(29100 + heads);
+    DecodeData d = make_data(c);
+    const Reference ref = reference(d);  // (the other rows' values)
+    const int bad_head = 3;              // of token 0
+    d.q_buf.set(bad_head * d.q_stride_h + 7, std::numeric_limits<float>::quiet_NaN());
+    const Tolerance tol = out_tolerance(c.q_dtype, c.kv_dtype);
+    for (int mode = 0; mode < 5; ++mode) {
+      DecodeData dm = d;
+      dm.c.kernel = mode == 1 || mode == 3 ? DecodeKernel::kPortable : DecodeKernel::kAuto;
+      dm.c.use_schedule = mode != 2 && mode != 3;
+      if (mode == 4) {  // a deterministic schedule: the combine's ordered sums
+        dm.c.deterministic = true;
+        dm.c.split_keys = 1024;
+      }
+      SCOPED_TRACE(describe(dm.c));
+      const DecodeResult r = run_gpu(dm);
+      for (int64_t row = 0; row < d.T * d.H; ++row) {
+        const bool bad = row == bad_head;
+        const float* got = r.out.data() + row * kVDim;
+        const double* want = ref.out.data() + row * kVDim;
+        int wrong = 0;
+        for (int e = 0; e < kVDim; ++e)
+          wrong += bad ? !std::isnan(got[e])
+                       : !(std::abs(got[e] - want[e]) <= tol.atol + tol.rtol * std::abs(want[e]));
+        EXPECT_EQ(wrong, 0) << "row " << row;
+        if (bad)
+          EXPECT_TRUE(std::isnan(r.lse[size_t(row)])) << "lse " << r.lse[size_t(row)];
+        else
+          EXPECT_NEAR(r.lse[size_t(row)], ref.lse[size_t(row)],
+                      kLseTolerance.atol + kLseTolerance.rtol * std::abs(ref.lse[size_t(row)]))
+              << "row " << row;
+      }
+    }
+  }
+}
+
 TEST(GpuDecode, RepeatedRunsAreBitIdentical) {
   MLA_REQUIRE_GPU();
   DecodeCase c = fixed(128, 64, {5000, 17, 900});

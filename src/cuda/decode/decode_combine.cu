@@ -140,19 +140,22 @@ __device__ __forceinline__ void add4(float4& a, const float4& b) {
 }
 
 // The row's LSE over its n pieces' LSEs (lse_k, consecutive words), the same in every lane: its max
-// and the sum of exp(lse_k - max) (-inf and 0 when every piece is empty). A lane's four a round
+// and the sum of exp(lse_k - max) (-inf and 0 when every piece is empty, NaN and NaN when one is
+// NaN). A lane's four a round
 // trip (up to 128 pieces), the round's max first, then four independent exps; then the warp's
 // max, and each lane's sum moved to it and the sums added.
 __device__ __forceinline__ void row_lse(const float* lse_k, int n, int lane, float& lse_max,
                                         float& lse_sum) {
   lse_max = -INFINITY;
   lse_sum = 0.0f;
+  bool nan = false;
   for (int k0 = 0; k0 < n; k0 += 4 * 32) {
     float v[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int k = k0 + lane + 32 * u;
       v[u] = k < n ? lse_k[k] : -INFINITY;
+      nan |= v[u] != v[u];
     }
     const float m_r = fmaxf(fmaxf(v[0], v[1]), fmaxf(v[2], v[3]));
     float s_r = 0.0f;
@@ -171,6 +174,8 @@ __device__ __forceinline__ void row_lse(const float* lse_k, int n, int lane, flo
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) lse_sum += __shfl_xor_sync(0xffffffffu, lse_sum, off);
   lse_max = row_max;
+  // A NaN piece (row_lse of the decode kernels) makes the row NaN: the max above drops it.
+  if (__any_sync(0xffffffffu, nan)) lse_max = lse_sum = __uint_as_float(0x7fffffffu);
 }
 
 // The row a warp combines in one job: its split unit (the lane's row tile and slots), request

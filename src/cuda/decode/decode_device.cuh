@@ -204,9 +204,10 @@ __device__ __forceinline__ void* out_row(const DecodeParams& p, int64_t token, i
 }
 
 // Natural-log LSE of a row from its max m (exp2 domain) and its sum of exp2(s - m): -inf for a
-// row that saw no key (sum 0).
+// row that saw no key (sum 0), NaN for a NaN sum (a NaN in the row's query or in a key it sees:
+// the row's output is NaN too, and the combine keeps both NaN, as the CPU implementation does).
 __device__ __forceinline__ float row_lse(float m, float sum) {
-  return sum > 0.0f ? (m + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+  return sum > 0.0f ? (m + log2f(sum)) * 0.69314718055994531f : sum == 0.0f ? -INFINITY : sum;
 }
 
 // Where row rl of an item's tile goes: for a piece of a split unit (slot >= 0) its normalised
