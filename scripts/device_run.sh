@@ -29,6 +29,9 @@
 #   AB_BUILDS, AB_CASES, AB_ROUNDS, AB_DEADLINE_S   an A/B of other mla-bench builds against
 #                          this one (step 4b; scripts/ab_decode.py)
 #   NCU_CASES, NCU_KERNELS, NCU_LAUNCHES, NCU_TIMEOUT_S   ncu of chosen rows (step 4c)
+#   NCU_SOURCE=1           also the warp stall samples by instruction of one launch a row
+#                          (SourceCounters; the summary of scripts/ncu_stalls.py), after
+#                          NCU_SOURCE_SKIP launches (default 4)
 #   NCU_EXTRA              more ncu options for those rows, e.g. "--section SchedulerStats
 #                          --section MemoryWorkloadAnalysis_Tables --metrics smsp__inst_executed_pipe_lsu.sum"
 #   SANITIZE_TIMEOUT_S, BENCH_TIMEOUT_S, TEST_TIMEOUT_S   per-step time limits in seconds
@@ -299,6 +302,26 @@ if [[ -n "${NCU_CASES:-}" ]]; then
         head -24 || true
       record "ncu $k" "$( ((rc == 0)) && echo PASS || echo FAIL)" $(($(now) - t0)) \
         "exit $rc, $(grep -c '^==PROF== Profiling' "$log" || true) launches, $(basename "$log"): $c"
+      if [[ "${NCU_SOURCE:-0}" == 1 ]]; then
+        # Warp stall sampling by instruction of one launch of the kernels (after NCU_SOURCE_SKIP
+        # launches, default 4: past the warm-up), exported as the source page's CSV and summed up
+        # by scripts/ncu_stalls.py (what each top instruction waits on).
+        t0=$(now)
+        rc=0
+        rep="$OUT_DIR/ncu_${k}_source"
+        # shellcheck disable=SC2086  # the case is a list of options
+        timeout "${NCU_TIMEOUT_S:-300}" "$NCU" --clock-control none \
+          --kernel-name "regex:${NCU_KERNELS:-mla_decode|decode_combine}" --launch-skip "${NCU_SOURCE_SKIP:-4}" \
+          --launch-count 1 --section SourceCounters --section WarpStateStats -o "$rep" -f \
+          "$BENCH" --device cuda --warmup 4 --iters 1 $c >"$rep.log" 2>&1 || rc=$?
+        if ((rc == 0)); then
+          "$NCU" --import "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.csv" 2>>"$rep.log" || rc=$?
+          python3 "$SRC_DIR/scripts/ncu_stalls.py" "$rep.csv" >"$rep.txt" 2>>"$rep.log" || rc=$?
+          head -30 "$rep.txt" || true
+        fi
+        record "ncu $k src" "$( ((rc == 0)) && echo PASS || echo FAIL)" $(($(now) - t0)) \
+          "exit $rc, $(basename "$rep").txt"
+      fi
     done
   fi
 fi
