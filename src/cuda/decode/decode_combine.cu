@@ -141,9 +141,8 @@ __device__ __forceinline__ void add4(float4& a, const float4& b) {
 
 // The row's LSE over its n pieces' LSEs (lse_k, consecutive words), the same in every lane: its max
 // and the sum of exp(lse_k - max) (-inf and 0 when every piece is empty, NaN and NaN when one is
-// NaN). A lane's four a round
-// trip (up to 128 pieces), the round's max first, then four independent exps; then the warp's
-// max, and each lane's sum moved to it and the sums added.
+// NaN). A lane's four a round trip (up to 128 pieces), the round's max first, then four
+// independent exps; then the warp's max, and each lane's sum moved to it and the sums added.
 __device__ __forceinline__ void row_lse(const float* lse_k, int n, int lane, float& lse_max,
                                         float& lse_sum) {
   lse_max = -INFINITY;
