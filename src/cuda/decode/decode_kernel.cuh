@@ -527,9 +527,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   Cta cta(p, *reinterpret_cast<typename Cta::Smem*>(smem_bytes));
   wait_for_prior_grids();  // the plan (and everything before it in the stream) is done
   allow_dependent_launch();
+  // The first item comes with the work range (one round trip fewer before the CTA's first loads:
+  // 16 h B 1 kv 4k -2 to -2.6 % on an H100, docs/perf-notes.md); each next one is read after run_item,
+  // so that no item is live across it.
   int begin, end, lane;
-  cta_work(p, Cta::kBlockM, &begin, &end, &lane);
-  for (int i = begin; i < end; ++i) cta.run_item(fetch_item(p, i, lane));
+  WorkItem item;
+  bool first_ok;
+  cta_work(p, Cta::kBlockM, &begin, &end, &lane, &item, &first_ok);
+  if (begin < end && !first_ok) item = fetch_item(p, begin, lane);
+  for (int i = begin; i < end;) {
+    cta.run_item(item);
+    if (++i < end) item = fetch_item(p, i, lane);
+  }
 }
 
 template <typename T, int kRowTiles, int kStages>

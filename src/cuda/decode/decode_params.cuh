@@ -341,15 +341,27 @@ __device__ __forceinline__ ScheduleHeader load_header(const ScheduleHeader* head
   return h;
 }
 
+// A planned item with its lane applied: row tile `lane`, slot offset by lane * num_slots.
+__device__ __forceinline__ void apply_lane(WorkItem& w, const ScheduleHeader& h, int lane) {
+  if (h.lanes > 1) {
+    w.row_tile = lane;
+    if (w.slot >= 0) w.slot += lane * h.num_slots;
+  }
+}
+
 // This CTA's work: items [*begin, *end) and the lane applied to each (fetch_item). With a
 // schedule, the CTA's part of the plan; a plan for another batch shape (or another row-tile class
 // or grid) would send the CTA past its work list, so it stops with a trap instead. Without one,
 // the single row tile blockIdx.x names (item 0).
+// With `first`: also item *begin, lane applied, loaded together with the bounds where items are
+// numbered by place (*first_ok; else fetch_item loads it), so that the CTA's first item does not
+// wait for a second round trip after them.
 __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int* begin, int* end,
-                                         int* lane) {
+                                         int* lane, WorkItem* first = nullptr, bool* first_ok = nullptr) {
   *begin = 0;
   *end = 1;
   *lane = 0;
+  if (first_ok != nullptr) *first_ok = false;
   if (!p.has_schedule) return;
   // The part's bounds are loaded together with the header, for the lanes the plan should have
   // used (one round trip, not two; in bounds for any lanes, the grid being num_parts CTAs), and
@@ -357,10 +369,14 @@ __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int
   const int guess = p.plan_lanes;
   const int v_guess = int(blockIdx.x) / guess;
   // Items are numbered by place: where every part has one item (a batch of equal requests cut
-  // into equal pieces, batch 1 among them), part v's is item v. Asked of L2 with the bounds, so
-  // that fetch_item's load of it is an L2 hit rather than a second miss after them. Item v lies
-  // inside the workspace (max_items >= num_parts) whatever the plan.
-  prefetch_l2(p.schedule.items + v_guess, uint32_t(sizeof(WorkItem)));
+  // into equal pieces, batch 1 among them), part v's is item v. Loaded with the bounds (or asked
+  // of L2, so that fetch_item's load of it is an L2 hit rather than a second miss after them).
+  // Item v lies inside the workspace (max_items >= num_parts) whatever the plan.
+  WorkItem w{};
+  if (first != nullptr)
+    w = p.schedule.items[v_guess];
+  else
+    prefetch_l2(p.schedule.items + v_guess, uint32_t(sizeof(WorkItem)));
   const int begin_guess = p.schedule.part_begin[v_guess];
   const int end_guess = p.schedule.part_begin[v_guess + 1];
   const ScheduleHeader h = load_header(p.schedule.header);
@@ -377,19 +393,21 @@ __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int
   }
   *begin = h.lanes == guess ? begin_guess : p.schedule.part_begin[v];
   *end = h.lanes == guess ? end_guess : p.schedule.part_begin[v + 1];
+  if (first != nullptr) {
+    apply_lane(w, h, *lane);
+    *first = w;
+    *first_ok = *begin == v_guess;
+  }
 }
 
-// Work item `it` of this CTA (see cta_work): the planned item with its lane applied (row tile
-// `lane`, slot offset by lane * num_slots), or the unplanned CTA's row tile with all its keys.
+// Work item `it` of this CTA (see cta_work): the planned item with its lane applied, or the
+// unplanned CTA's row tile with all its keys.
 __device__ __forceinline__ WorkItem fetch_item(const DecodeParams& p, int it, int lane) {
   WorkItem w{};
   if (p.has_schedule) {
     const ScheduleHeader& h = *p.schedule.header;
     w = p.schedule.items[it];
-    if (h.lanes > 1) {
-      w.row_tile = lane;
-      if (w.slot >= 0) w.slot += lane * h.num_slots;
-    }
+    apply_lane(w, h, lane);
     return w;
   }
   w.q_len = -1;  // read the request's geometry from the layout
