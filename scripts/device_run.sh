@@ -18,8 +18,11 @@
 #   CTEST_JOBS             parallel ctest processes (default 4)
 #   GPU_TEST_FILTER        run the gtest binary directly with this filter instead of ctest (ctest
 #                          is used when unset and the build folder was configured at this path)
-#   GPU_SANITIZE_FILTER    gtest filter for memcheck (default *: every GPU test)
-#   GPU_RACECHECK_FILTER   gtest filter for racecheck (default: the first test of every suite)
+#   GPU_SANITIZE_FILTER    gtest filter for memcheck (default *-*DeathTest*: every GPU test but the
+#                          death tests, whose forked children hung under the sanitizer until its
+#                          time limit)
+#   GPU_RACECHECK_FILTER   gtest filter for racecheck (default: the first test of every suite of
+#                          GPU_SANITIZE_FILTER)
 #   SKIP_SANITIZERS=1, SKIP_BENCH=1   leave those steps out (reported as SKIP)
 #   BENCH_SWEEPS           mla-bench sweeps to run (default "decode prefill")
 #   BENCH_ARGS             more mla-bench options, e.g. "--deterministic on" (decode rows of the
@@ -199,12 +202,13 @@ elif [[ -z "$SANITIZER" ]]; then
   record memcheck SKIP 0 "compute-sanitizer not found"
   record racecheck SKIP 0 "compute-sanitizer not found"
 else
-  run_sanitizer memcheck "${GPU_SANITIZE_FILTER:-*}"
+  SANITIZE_FILTER="${GPU_SANITIZE_FILTER:-*-*DeathTest*}"
+  run_sanitizer memcheck "$SANITIZE_FILTER"
   if [[ -z "${GPU_RACECHECK_FILTER:-}" ]]; then
     # The first test of every suite: each kernel family once, at a fraction of the full cost; and
     # the Hopper kernel's pipeline edges small enough for the race checker (the fp8 converters on
     # both tile classes, item changes, partial tiles).
-    GPU_RACECHECK_FILTER="$("$GPU_TESTS" --gtest_list_tests --gtest_filter="${GPU_SANITIZE_FILTER:-*}" |
+    GPU_RACECHECK_FILTER="$("$GPU_TESTS" --gtest_list_tests --gtest_filter="$SANITIZE_FILTER" |
       awk '/^[^ ]/ { suite = $1; first = 1; next } first && /^  / { print suite $1; first = 0 }' |
       paste -sd: - || true)"
     if [[ -z "${GPU_SANITIZE_FILTER:-}" ]]; then
