@@ -338,7 +338,17 @@ __device__ __forceinline__ void run_producer(const HopperParams& hp, uint8_t* sm
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
+    // Every lane asks L2 for every tile of the request's keys. A build with
+    // MLA_DECODE_LANE_PREFETCH=1 in MLA_DECODE_KNOBS lets one lane in two ask for a stage's tiles
+    // where the row tiles run as lanes (the lanes of the stage's parity): the prefetches more than
+    // double the L2's sector traffic (ncu, H100, 128 h B 128 kv 4k: 90 M sectors, 39 M without
+    // them; the fabric between the L2's two partitions 92 % busy, 72 % without them, which is
+    // 5 % slower). Not yet measured; docs/perf-notes.md.
+#if defined(MLA_DECODE_LANE_PREFETCH) && MLA_DECODE_LANE_PREFETCH
+    const bool prefetch = !kRaw && keys_shared(hp, r) && (p.plan_lanes < 2 || (lane_of_cta & 1) == stage);
+#else
     const bool prefetch = !kRaw && keys_shared(hp, r);
+#endif
     for (int t = stage; t < r.num_tiles; t += kStep) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);
