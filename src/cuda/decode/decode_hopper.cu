@@ -98,6 +98,7 @@
 #include <cuda_fp16.h>
 #include <cudaTypedefs.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -1463,6 +1464,46 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+// The CTAs that read the same keys (a request's row tiles: the plan's lanes, or the unplanned
+// grid's tiles_per_request consecutive CTAs) as one cluster, 1 for none. A build with
+// MLA_DECODE_LANE_CLUSTER=1 in MLA_DECODE_KNOBS clusters them, 2 or 4 CTAs, where the grid is a
+// multiple of that and, for a persistent (scheduled) grid, all its clusters fit at once: the
+// cluster only places them on the SMs of one GPC, so that the L2 partition next to them serves
+// the second reader (the default build's readers sit anywhere, and the fabric between the L2's
+// two partitions was 92 % busy at 128 h B 128 kv 4k, ncu, H100). The CTAs do not interact. Not
+// yet measured; docs/perf-notes.md.
+template <auto kKernel>
+int lane_cluster([[maybe_unused]] const DecodeParams& p, [[maybe_unused]] int grid) {
+#if defined(MLA_DECODE_LANE_CLUSTER) && MLA_DECODE_LANE_CLUSTER
+  const int readers = p.has_schedule ? p.plan_lanes : p.tiles_per_request;
+  if ((readers != 2 && readers != 4) || grid % readers != 0) return 1;
+  if (!p.has_schedule) return readers;
+  // Clusters of kKernel that fit at once, asked once a device and size (0: not yet asked).
+  static std::atomic<int> fits[64][2] = {};
+  std::atomic<int>& cached = fits[current_device_info().device & 63][readers == 4];
+  int n = cached.load(std::memory_order_relaxed);
+  if (n == 0) {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = unsigned(readers);
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(unsigned(grid));
+    config.blockDim = dim3(kHopperThreads);
+    config.dynamicSmemBytes = SmemLayout::bytes;
+    config.attrs = &attr;
+    config.numAttrs = 1;
+    int clusters = 0;
+    MLA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config));
+    n = clusters + 1;
+    cached.store(n, std::memory_order_relaxed);
+  }
+  return (n - 1) * readers >= grid ? readers : 1;
+#else
+  return 1;
+#endif
+}
+
 }  // namespace
 
 template <typename T>
@@ -1501,7 +1542,8 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
   const auto launch = [&](auto narrow, auto fp8_cache) {
     constexpr auto kernel = mla_decode_hopper_kernel<T, decltype(narrow)::value, decltype(fp8_cache)::value>;
     opt_in_dynamic_smem<kernel>(SmemLayout::bytes);
-    launch_dependent(kernel, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes, stream, hp);
+    launch_dependent_clustered(kernel, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes, stream,
+                               lane_cluster<kernel>(params, grid), hp);
   };
   if (block_m <= 16) {
     if (fp8) launch(std::true_type{}, std::true_type{});
