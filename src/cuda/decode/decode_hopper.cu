@@ -14,7 +14,8 @@
 //   WG0  producers: thread 0 loads the even tiles into stage 0 (groups L, R, PE in that order),
 //        thread 32 the odd tiles into stage 1 (R, L, PE): each group as soon as it is released,
 //        and, where the request's rows span several row tiles (so that other CTAs read the same
-//        keys), the stage's next tile is prefetched to L2 right after. (An fp8 cache: below.)
+//        keys), the stage's next tile is prefetched to L2 right after, by one of each pair of
+//        lanes over the same keys. (An fp8 cache: below.)
 //   WG1  owns O[:, 0:256] and the even tiles' scores; WG2 owns O[:, 256:512] and the odd ones'.
 //        The order within a pair is at run_left: each warpgroup issues the scores of its next
 //        tile before the pair's last waits; the row max goes WG1 -> WG2 (m0), the odd tile's P
@@ -77,7 +78,11 @@
 //       most 4 us, where other row tiles read the keys; H100: 128 h B 1 kv 16k 27.8 -> 26.4 µs).
 //   v13 the narrow epilogue's row destinations and LSEs computed once a row, by one thread each
 //       (one copy of that code instead of eight: -6 KB; H100: 16 h B 1 kv 4k 17.2 -> 16.6 µs).
+//   v14 one lane in two asks L2 for a stage's next tiles (the lanes of the stage's parity), not
+//       every lane (H100: 268.2 -> 256.9 µs, kv 16k 978.0 -> 943.5; L2 sectors -29 %).
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
+//   the lanes over the same keys launched as a cluster without multicast, for one GPC's L2
+//   partition to serve both (the fabric as busy, 91 %; -1 %),
 //   evict-first loads, the prefetch reaching further ahead, 3-D TMA boxes, pages below 16 tokens
 //   loaded by WG0 with cp.async (slower than the portable kernel; decode-kernel.md), an item's first tiles
 //   landing before the next ones are prefetched (B 1 -2 %, but the producer's wait needs 8 more
@@ -98,7 +103,6 @@
 #include <cuda_fp16.h>
 #include <cudaTypedefs.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -317,7 +321,8 @@ constexpr int kRowBytes = 64;
 
 // A producer thread: walks the CTA's items and loads their tiles, each group as soon as it is
 // released. kRaw = false: the producer of one 16-bit stage, the tiles t with t % 2 == stage, and
-// where other row tiles read the same keys the stage's next tile asked of L2 after each tile.
+// where other row tiles read the same keys the stage's next tile asked of L2 after each tile (by
+// the lanes of the stage's parity).
 // kRaw = true: an fp8 cache's narrow tiles (thread 0), every tile into the raw stage, no L2
 // prefetch: with it (the tiles one and two ahead) the 16-head rows were 0.2-1.8 % slower, four
 // ahead 2-10 % (docs/perf-notes.md); the converter releasing each group as soon as it has read it
@@ -339,17 +344,12 @@ __device__ __forceinline__ void run_producer(const HopperParams& hp, uint8_t* sm
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
-    // Every lane asks L2 for every tile of the request's keys. A build with
-    // MLA_DECODE_LANE_PREFETCH=1 in MLA_DECODE_KNOBS lets one lane in two ask for a stage's tiles
-    // where the row tiles run as lanes (the lanes of the stage's parity): the prefetches more than
-    // double the L2's sector traffic (ncu, H100, 128 h B 128 kv 4k: 90 M sectors, 39 M without
-    // them; the fabric between the L2's two partitions 92 % busy, 72 % without them, which is
-    // 5 % slower). Not yet measured; docs/perf-notes.md.
-#if defined(MLA_DECODE_LANE_PREFETCH) && MLA_DECODE_LANE_PREFETCH
+    // Where the plan runs the row tiles over the same keys as lanes (CTAs side by side), one lane
+    // in two asks L2 for a stage's tiles (the lanes of the stage's parity): each tile is asked
+    // once by a pair of lanes, not by both. ncu (H100, 128 h B 128 kv 4k): L2 sectors 90.3 M ->
+    // 63.7 M, the fabric between the L2's two partitions 91 % -> 87 % busy; 268.2 -> 256.9 µs
+    // (kv 16k -3.5 %, q 2 -0.5 %, batch 1 within +-1.5 %; docs/perf-notes.md).
     const bool prefetch = !kRaw && keys_shared(hp, r) && (p.plan_lanes < 2 || (lane_of_cta & 1) == stage);
-#else
-    const bool prefetch = !kRaw && keys_shared(hp, r);
-#endif
     for (int t = stage; t < r.num_tiles; t += kStep) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);
@@ -1464,46 +1464,6 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// The CTAs that read the same keys (a request's row tiles: the plan's lanes, or the unplanned
-// grid's tiles_per_request consecutive CTAs) as one cluster, 1 for none. A build with
-// MLA_DECODE_LANE_CLUSTER=1 in MLA_DECODE_KNOBS clusters them, 2 or 4 CTAs, where the grid is a
-// multiple of that and, for a persistent (scheduled) grid, all its clusters fit at once: the
-// cluster only places them on the SMs of one GPC, so that the L2 partition next to them serves
-// the second reader (the default build's readers sit anywhere, and the fabric between the L2's
-// two partitions was 92 % busy at 128 h B 128 kv 4k, ncu, H100). The CTAs do not interact. Not
-// yet measured; docs/perf-notes.md.
-template <auto kKernel>
-int lane_cluster([[maybe_unused]] const DecodeParams& p, [[maybe_unused]] int grid) {
-#if defined(MLA_DECODE_LANE_CLUSTER) && MLA_DECODE_LANE_CLUSTER
-  const int readers = p.has_schedule ? p.plan_lanes : p.tiles_per_request;
-  if ((readers != 2 && readers != 4) || grid % readers != 0) return 1;
-  if (!p.has_schedule) return readers;
-  // Clusters of kKernel that fit at once, asked once a device and size (0: not yet asked).
-  static std::atomic<int> fits[64][2] = {};
-  std::atomic<int>& cached = fits[current_device_info().device & 63][readers == 4];
-  int n = cached.load(std::memory_order_relaxed);
-  if (n == 0) {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = unsigned(readers);
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(unsigned(grid));
-    config.blockDim = dim3(kHopperThreads);
-    config.dynamicSmemBytes = SmemLayout::bytes;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    int clusters = 0;
-    MLA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config));
-    n = clusters + 1;
-    cached.store(n, std::memory_order_relaxed);
-  }
-  return (n - 1) * readers >= grid ? readers : 1;
-#else
-  return 1;
-#endif
-}
-
 }  // namespace
 
 template <typename T>
@@ -1542,8 +1502,7 @@ void launch_hopper_decode_kernel(const DecodeParams& params, int block_m, int gr
   const auto launch = [&](auto narrow, auto fp8_cache) {
     constexpr auto kernel = mla_decode_hopper_kernel<T, decltype(narrow)::value, decltype(fp8_cache)::value>;
     opt_in_dynamic_smem<kernel>(SmemLayout::bytes);
-    launch_dependent_clustered(kernel, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes, stream,
-                               lane_cluster<kernel>(params, grid), hp);
+    launch_dependent(kernel, dim3(grid), dim3(kHopperThreads), SmemLayout::bytes, stream, hp);
   };
   if (block_m <= 16) {
     if (fp8) launch(std::true_type{}, std::true_type{});
