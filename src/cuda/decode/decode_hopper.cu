@@ -349,7 +349,15 @@ __device__ __forceinline__ void run_producer(const HopperParams& hp, uint8_t* sm
     // once by a pair of lanes, not by both. ncu (H100, 128 h B 128 kv 4k): L2 sectors 90.3 M ->
     // 63.7 M, the fabric between the L2's two partitions 91 % -> 87 % busy; 268.2 -> 256.9 µs
     // (kv 16k -3.5 %, q 2 -0.5 %, batch 1 within +-1.5 %; docs/perf-notes.md).
+#if defined(MLA_DECODE_PREFETCH_ONCE) && MLA_DECODE_PREFETCH_ONCE
+    // A build with MLA_DECODE_PREFETCH_ONCE=1 in MLA_DECODE_KNOBS: only row tile `stage` asks for
+    // the stage's tiles, wherever the row tiles run side by side (the plan's lanes, or the
+    // unplanned grid's tiles_per_request CTAs): each tile asked once also with four lanes (q 2).
+    const bool side_by_side = p.plan_lanes >= 2 || !p.has_schedule;
+    const bool prefetch = !kRaw && keys_shared(hp, r) && (!side_by_side || item.row_tile == stage);
+#else
     const bool prefetch = !kRaw && keys_shared(hp, r) && (p.plan_lanes < 2 || (lane_of_cta & 1) == stage);
+#endif
     for (int t = stage; t < r.num_tiles; t += kStep) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);
