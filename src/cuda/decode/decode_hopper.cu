@@ -14,8 +14,8 @@
 //   WG0  producers: thread 0 loads the even tiles into stage 0 (groups L, R, PE in that order),
 //        thread 32 the odd tiles into stage 1 (R, L, PE): each group as soon as it is released,
 //        and, where the request's rows span several row tiles (so that other CTAs read the same
-//        keys), the stage's next tile is prefetched to L2 right after, by one of each pair of
-//        lanes over the same keys. (An fp8 cache: below.)
+//        keys), the stage's next tile is prefetched to L2 right after (where those row tiles
+//        run side by side, by row tile `stage` alone). (An fp8 cache: below.)
 //   WG1  owns O[:, 0:256] and the even tiles' scores; WG2 owns O[:, 256:512] and the odd ones'.
 //        The order within a pair is at run_left: each warpgroup issues the scores of its next
 //        tile before the pair's last waits; the row max goes WG1 -> WG2 (m0), the odd tile's P
@@ -80,6 +80,8 @@
 //       (one copy of that code instead of eight: -6 KB; H100: 16 h B 1 kv 4k 17.2 -> 16.6 µs).
 //   v14 one lane in two asks L2 for a stage's next tiles (the lanes of the stage's parity), not
 //       every lane (H100: 268.2 -> 256.9 µs, kv 16k 978.0 -> 943.5; L2 sectors -29 %).
+//   v15 only row tile `stage` asks L2 for a stage's tiles, also with four lanes (q 2) and in the
+//       unplanned grid (H100: 128 h B 64 kv 4k q 2 232.0 -> 230.7 µs, unplanned 280.4 -> 257.0).
 //   Tried and dropped: TMA multicast over a cluster of the two row tiles (1.5-1.7x slower, twice),
 //   the lanes over the same keys launched as a cluster without multicast, for one GPC's L2
 //   partition to serve both (the fabric as busy, 91 %; -1 %),
@@ -344,20 +346,14 @@ __device__ __forceinline__ void run_producer(const HopperParams& hp, uint8_t* sm
     const WorkItem item = fetch_item(p, it, lane_of_cta);
     const ItemRange r = item_range(p.layout, item, hp.block_m);
     if (stage == 0) MLA_DECODE_STAMP_FIRST(kTraceItem);
-    // Where the plan runs the row tiles over the same keys as lanes (CTAs side by side), one lane
-    // in two asks L2 for a stage's tiles (the lanes of the stage's parity): each tile is asked
-    // once by a pair of lanes, not by both. ncu (H100, 128 h B 128 kv 4k): L2 sectors 90.3 M ->
-    // 63.7 M, the fabric between the L2's two partitions 91 % -> 87 % busy; 268.2 -> 256.9 µs
-    // (kv 16k -3.5 %, q 2 -0.5 %, batch 1 within +-1.5 %; docs/perf-notes.md).
-#if defined(MLA_DECODE_PREFETCH_ONCE) && MLA_DECODE_PREFETCH_ONCE
-    // A build with MLA_DECODE_PREFETCH_ONCE=1 in MLA_DECODE_KNOBS: only row tile `stage` asks for
-    // the stage's tiles, wherever the row tiles run side by side (the plan's lanes, or the
-    // unplanned grid's tiles_per_request CTAs): each tile asked once also with four lanes (q 2).
+    // Where the row tiles over the same keys run side by side (the plan's lanes, or the unplanned
+    // grid's tiles_per_request CTAs), only row tile `stage` asks L2 for the stage's tiles: each
+    // tile is asked once, also with four lanes (q 2). ncu (H100, 128 h B 128 kv 4k): L2 sectors
+    // 90.3 M -> 63.7 M with one lane in two asking, the fabric between the L2's two partitions
+    // 91 % -> 87 % busy, 268.2 -> 256.9 µs; once a tile: q 2 sectors 53.4 M -> 40.3 M, -0.5 %,
+    // the unplanned grid -8 % (q 1) and -5 % (q 2); docs/perf-notes.md.
     const bool side_by_side = p.plan_lanes >= 2 || !p.has_schedule;
     const bool prefetch = !kRaw && keys_shared(hp, r) && (!side_by_side || item.row_tile == stage);
-#else
-    const bool prefetch = !kRaw && keys_shared(hp, r) && (p.plan_lanes < 2 || (lane_of_cta & 1) == stage);
-#endif
     for (int t = stage; t < r.num_tiles; t += kStep) {
       const int key0 = r.kv_begin + t * kBlockN;
       const int row0 = box_row(hp, item.request, key0, r.kv_end);
