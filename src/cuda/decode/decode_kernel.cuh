@@ -532,9 +532,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   // so that no item is live across it.
   int begin, end, lane;
   WorkItem item;
-  bool first_ok;
-  cta_work(p, Cta::kBlockM, &begin, &end, &lane, &item, &first_ok);
-  if (begin < end && !first_ok) item = fetch_item(p, begin, lane);
+  cta_work(p, Cta::kBlockM, &begin, &end, &lane, &item);
   for (int i = begin; i < end;) {
     cta.run_item(item);
     if (++i < end) item = fetch_item(p, i, lane);

@@ -349,20 +349,41 @@ __device__ __forceinline__ void apply_lane(WorkItem& w, const ScheduleHeader& h,
   }
 }
 
+// Work item `it` of this CTA (see cta_work): the planned item with its lane applied, or the
+// unplanned CTA's row tile with all its keys.
+__device__ __forceinline__ WorkItem fetch_item(const DecodeParams& p, int it, int lane) {
+  WorkItem w{};
+  if (p.has_schedule) {
+    const ScheduleHeader& h = *p.schedule.header;
+    w = p.schedule.items[it];
+    apply_lane(w, h, lane);
+    return w;
+  }
+  w.q_len = -1;  // read the request's geometry from the layout
+  w.request = int(blockIdx.x) / p.tiles_per_request;
+  w.row_tile = int(blockIdx.x) % p.tiles_per_request;
+  w.kv_begin = 0;
+  w.kv_end = INT_MAX;
+  w.slot = -1;
+  return w;
+}
+
 // This CTA's work: items [*begin, *end) and the lane applied to each (fetch_item). With a
 // schedule, the CTA's part of the plan; a plan for another batch shape (or another row-tile class
 // or grid) would send the CTA past its work list, so it stops with a trap instead. Without one,
 // the single row tile blockIdx.x names (item 0).
-// With `first`: also item *begin, lane applied, loaded together with the bounds where items are
-// numbered by place (*first_ok; else fetch_item loads it), so that the CTA's first item does not
-// wait for a second round trip after them.
+// With `first`: also item *begin (where *begin < *end), lane applied, loaded together with the
+// bounds where items are numbered by place (else by fetch_item after them), so that the CTA's
+// first item does not wait for a second round trip after the bounds.
 __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int* begin, int* end,
-                                         int* lane, WorkItem* first = nullptr, bool* first_ok = nullptr) {
+                                         int* lane, WorkItem* first = nullptr) {
   *begin = 0;
   *end = 1;
   *lane = 0;
-  if (first_ok != nullptr) *first_ok = false;
-  if (!p.has_schedule) return;
+  if (!p.has_schedule) {
+    if (first != nullptr) *first = fetch_item(p, 0, 0);
+    return;
+  }
   // The part's bounds are loaded together with the header, for the lanes the plan should have
   // used (one round trip, not two; in bounds for any lanes, the grid being num_parts CTAs), and
   // again if the header says otherwise.
@@ -393,30 +414,15 @@ __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int
   }
   *begin = h.lanes == guess ? begin_guess : p.schedule.part_begin[v];
   *end = h.lanes == guess ? end_guess : p.schedule.part_begin[v + 1];
-  if (first != nullptr) {
-    apply_lane(w, h, *lane);
-    *first = w;
-    *first_ok = *begin == v_guess;
+  if (first != nullptr && *begin < *end) {
+    if (*begin == v_guess) {
+      apply_lane(w, h, *lane);
+      *first = w;
+    } else {
+      *first = fetch_item(p, *begin, *lane);
+    }
   }
 }
 
-// Work item `it` of this CTA (see cta_work): the planned item with its lane applied, or the
-// unplanned CTA's row tile with all its keys.
-__device__ __forceinline__ WorkItem fetch_item(const DecodeParams& p, int it, int lane) {
-  WorkItem w{};
-  if (p.has_schedule) {
-    const ScheduleHeader& h = *p.schedule.header;
-    w = p.schedule.items[it];
-    apply_lane(w, h, lane);
-    return w;
-  }
-  w.q_len = -1;  // read the request's geometry from the layout
-  w.request = int(blockIdx.x) / p.tiles_per_request;
-  w.row_tile = int(blockIdx.x) % p.tiles_per_request;
-  w.kv_begin = 0;
-  w.kv_end = INT_MAX;
-  w.slot = -1;
-  return w;
-}
 
 }  // namespace mla::cuda::decode
