@@ -323,8 +323,8 @@ constexpr int kRowBytes = 64;
 
 // A producer thread: walks the CTA's items and loads their tiles, each group as soon as it is
 // released. kRaw = false: the producer of one 16-bit stage, the tiles t with t % 2 == stage, and
-// where other row tiles read the same keys the stage's next tile asked of L2 after each tile (by
-// the lanes of the stage's parity).
+// where other row tiles read the same keys the stage's next tile asked of L2 after each tile (where
+// those row tiles run side by side, by row tile `stage` alone).
 // kRaw = true: an fp8 cache's narrow tiles (thread 0), every tile into the raw stage, no L2
 // prefetch: with it (the tiles one and two ahead) the 16-head rows were 0.2-1.8 % slower, four
 // ahead 2-10 % (docs/perf-notes.md); the converter releasing each group as soon as it has read it

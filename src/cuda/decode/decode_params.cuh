@@ -424,5 +424,4 @@ __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int
   }
 }
 
-
 }  // namespace mla::cuda::decode
