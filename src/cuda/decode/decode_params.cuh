@@ -373,7 +373,7 @@ __device__ __forceinline__ WorkItem fetch_item(const DecodeParams& p, int it, in
 // or grid) would send the CTA past its work list, so it stops with a trap instead. Without one,
 // the single row tile blockIdx.x names (item 0).
 // With `first`: also item *begin (where *begin < *end), lane applied, loaded together with the
-// bounds where items are numbered by place (else by fetch_item after them), so that the CTA's
+// bounds where items are numbered by place (else loaded after them), so that the CTA's
 // first item does not wait for a second round trip after the bounds.
 __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int* begin, int* end,
                                          int* lane, WorkItem* first = nullptr) {
@@ -415,12 +415,9 @@ __device__ __forceinline__ void cta_work(const DecodeParams& p, int block_m, int
   *begin = h.lanes == guess ? begin_guess : p.schedule.part_begin[v];
   *end = h.lanes == guess ? end_guess : p.schedule.part_begin[v + 1];
   if (first != nullptr && *begin < *end) {
-    if (*begin == v_guess) {
-      apply_lane(w, h, *lane);
-      *first = w;
-    } else {
-      *first = fetch_item(p, *begin, *lane);
-    }
+    if (*begin != v_guess) w = p.schedule.items[*begin];
+    apply_lane(w, h, *lane);
+    *first = w;
   }
 }
 
