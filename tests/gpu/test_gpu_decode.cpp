@@ -1168,6 +1168,84 @@ TEST(GpuDecode, MatchesCpuImplementation) {
   }
 }
 
+// Random cases drawn from everything mla_decode takes (head counts, page sizes, query lengths
+// fixed and per request, dtypes, split and padded layouts, schedules of any part count, the
+// deterministic mode), each against the float64 reference with NaN in unused pages and around
+// the outputs: with and without a schedule, on the kernel kAuto picks, the portable kernel, and
+// the Hopper kernel wherever it applies. Case i has seed 31000 + i (SCOPED_TRACE names it).
+TEST(GpuDecode, RandomCasesMatchTheReference) {
+  MLA_REQUIRE_GPU();
+  constexpr int kCases = 48;
+  // Reference work a case: heads x sum of q_len_b x kv_len_b (a few seconds on a few cores).
+  constexpr int64_t kMaxWork = 2'000'000;
+  struct Types {
+    DType q, kv;
+  };
+  const std::vector<int> heads = {1, 2, 3, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128};
+  const std::vector<int> pages = {1, 2, 4, 8, 16, 32, 64, 64, 64, 128};
+  const std::vector<Types> types = {{DType::kBF16, DType::kBF16}, {DType::kBF16, DType::kBF16},
+                                    {DType::kFP16, DType::kFP16}, {DType::kBF16, DType::kFP8E4M3},
+                                    {DType::kFP16, DType::kFP8E4M3},
+                                    {DType::kFP8E4M3, DType::kFP8E4M3}};
+  const std::vector<DType> outs = {DType::kBF16, DType::kFP16, DType::kFP32};
+  for (int i = 0; i < kCases; ++i) {
+    std::mt19937_64 rng(uint64_t(31000 + i));
+    auto pick = [&](const auto& options) { return options[size_t(rng() % options.size())]; };
+    auto chance = [&](int percent) { return int(rng() % 100) < percent; };
+    DecodeCase c;
+    c.seed = uint64_t(31000 + i);
+    c.num_heads = pick(heads);
+    c.page_size = pick(pages);
+    const int batch = chance(20) ? 1 + int(rng() % 24) : 1 + int(rng() % 6);
+    c.use_cu_q_lens = chance(40);
+    const int q_len = chance(50) ? 1 : 1 + int(rng() % 8);
+    for (int b = 0; b < batch; ++b) {
+      c.q_lens.push_back(c.use_cu_q_lens ? int(rng() % (q_len + 1)) : q_len);
+      const int roll = int(rng() % 10);
+      c.kv_lens.push_back(roll == 0   ? 0
+                          : roll <= 3 ? 1 + int(rng() % 130)
+                                      : 1 + int(rng() % 5000));
+    }
+    // Shorten the requests until the reference's work fits (keeping zeros and ones).
+    auto work = [&] {
+      int64_t w = 0;
+      for (int b = 0; b < batch; ++b) w += int64_t(std::max(1, c.q_lens[size_t(b)])) * c.kv_lens[size_t(b)];
+      return w * c.num_heads;
+    };
+    while (work() > kMaxWork)
+      for (int& kv : c.kv_lens) kv = kv > 1 ? kv / 2 + 1 : kv;
+    const Types t = pick(types);
+    c.q_dtype = t.q;
+    c.kv_dtype = t.kv;
+    c.out_dtype = pick(outs);
+    if (t.kv == DType::kFP8E4M3) c.k_scale = 0.01f + 0.002f * float(rng() % 500);
+    if (t.q == DType::kFP8E4M3) c.q_scale = 0.02f + 0.002f * float(rng() % 400);
+    if (t.kv != DType::kFP8E4M3 && chance(20))
+      c.key_ramp = (chance(50) ? 1.0f : -1.0f) * (0.5f + 0.25f * float(rng() % 12));
+    c.split_q = chance(30);
+    // Query pads keep 16-byte rows but for the odd one (3 elements), which only the portable
+    // kernel takes.
+    c.q_pad = pick(std::vector<int>{0, 0, 0, 16, 3});
+    c.out_pad = pick(std::vector<int>{0, 0, 1, 3, 8});
+    c.with_lse = chance(80);
+    c.num_parts = chance(50) ? 0 : 1 + int(rng() % 200);
+    if (chance(15)) {
+      c.deterministic = true;
+      c.split_keys = 64 * (1 + int(rng() % 8));
+    }
+    SCOPED_TRACE("random case " + std::to_string(i));
+    check_case(c, /*both_modes=*/true);
+    // The Hopper kernel forced where it applies (kAuto may have taken the portable one).
+    const size_t q_bytes = dtype_size(c.q_dtype);
+    const bool hopper_applies = c.page_size >= 16 && (c.q_pad * q_bytes) % 16 == 0 &&
+                                (c.kv_dtype == DType::kFP8E4M3 || c.q_dtype == c.kv_dtype);
+    if (hopper_expected() && hopper_applies) {
+      c.kernel = DecodeKernel::kHopper;
+      check_case(c, /*both_modes=*/true);
+    }
+  }
+}
+
 TEST(GpuDecode, OneScheduleServesSuccessiveBatches) {
   MLA_REQUIRE_GPU();
   OwnedSchedule sched(64, 4, 16);
