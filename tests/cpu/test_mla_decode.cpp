@@ -7,6 +7,8 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_reference.hpp"
@@ -520,6 +522,47 @@ TEST(MlaDecodeCpu, ResultIndependentOfBatchComposition) {
   const std::vector<float> alone_lse = gather_floats(alone->args.lse);
   EXPECT_TRUE(std::equal(alone_out.begin(), alone_out.end(), all_out.begin() + first_token * row_width));
   EXPECT_TRUE(std::equal(alone_lse.begin(), alone_lse.end(), all_lse.begin() + first_token * 16));
+}
+
+// Random cases over what mla_decode takes: head counts, page sizes, fixed and per-request query
+// lengths (0 included), dtypes, fused or split and strided queries, outputs with or without the
+// LSE. Case i has seed 32000 + i.
+TEST(MlaDecodeCpu, RandomCases) {
+  const std::vector<int> heads = {1, 2, 3, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128};
+  const std::vector<int> pages = {1, 2, 4, 8, 16, 32, 64, 128};
+  const std::vector<std::pair<DType, DType>> types = {  // (query, cache)
+      {DType::kBF16, DType::kBF16}, {DType::kFP16, DType::kFP16}, {DType::kBF16, DType::kFP8E4M3},
+      {DType::kFP16, DType::kFP8E4M3}, {DType::kFP8E4M3, DType::kFP8E4M3}};
+  const std::vector<DType> outs = {DType::kBF16, DType::kFP16, DType::kFP32};
+  for (int i = 0; i < 40; ++i) {
+    std::mt19937_64 rng(uint64_t(32000 + i));
+    auto pick = [&](const auto& options) { return options[size_t(rng() % options.size())]; };
+    DecodeSetup s;
+    s.seed = uint64_t(32000 + i);
+    s.num_heads = pick(heads);
+    s.page_size = pick(pages);
+    const int batch = 1 + int(rng() % 6);
+    s.variable_q = rng() % 2 == 0;
+    const int q_len = 1 + int(rng() % 8);
+    s.kv_lens.clear();
+    int64_t work = 0;  // the reference's: heads x sum of q_len x kv_len
+    for (int b = 0; b < batch; ++b) {
+      s.q_lens.push_back(s.variable_q ? int(rng() % (q_len + 1)) : q_len);
+      const int64_t room = std::max<int64_t>(0, 60'000 - work) / (int64_t(s.num_heads) * q_len);
+      s.kv_lens.push_back(int(rng() % uint64_t(std::min<int64_t>(room, 700) + 1)));
+      work += int64_t(s.num_heads) * q_len * s.kv_lens.back();
+    }
+    const auto [q_dtype, cache_dtype] = pick(types);
+    s.q_dtype = q_dtype;
+    s.cache_dtype = cache_dtype;
+    s.out_dtype = pick(outs);
+    if (cache_dtype == DType::kFP8E4M3) s.k_scale = 0.01f + 0.002f * float(rng() % 500);
+    if (q_dtype == DType::kFP8E4M3) s.q_scale = 0.02f + 0.002f * float(rng() % 400);
+    s.split_q = rng() % 3 == 0;
+    s.strided = rng() % 3 == 0;
+    s.with_lse = rng() % 5 != 0;
+    run_case(s, ("random case " + std::to_string(i)).c_str());
+  }
 }
 
 TEST(MlaDecodeCpu, KeysARowMustNotSeeNeverReachIt) {
